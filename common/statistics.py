@@ -1,0 +1,87 @@
+"""Per-client feature statistics of FedPAC (Section 4 and Appendix A.3 of the paper).
+
+Everything here is plain torch over an extractor and a client's tensors: no Flower. The same
+batched pass yields both the statistics the server needs for the collaboration QP (h_i, V_i,
+computed *before* local training) and the local class centroids (eq. 17, computed *after*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ClassFeatureSums:
+    """Sufficient statistics of the embeddings, per class, from one pass over the data."""
+
+    counts: torch.Tensor  # (K,) float64, n_ik
+    sums: torch.Tensor  # (K, d) float64, sum of z over class-k samples
+    sq_norm_sums: torch.Tensor  # (K,) float64, sum of ||z||^2 over class-k samples
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.sum().item())
+
+    def class_means(self) -> torch.Tensor:
+        """mu_ik: the mean embedding of each class, zero for an absent class."""
+        return self.sums / self.counts.clamp(min=1.0).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class FeatureStatistics:
+    """What a client uploads for the collaboration QP: n_i, h_i (K x d) and V_i."""
+
+    num_samples: int
+    h: torch.Tensor  # (K, d): [p_ik * mu_ik]_k
+    v: float  # eq. 44 with Lambda = I
+
+
+@torch.no_grad()
+def class_feature_sums(
+    extractor: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    batch_size: int = 1024,
+) -> ClassFeatureSums:
+    """One no-grad pass over (images, labels) in eval mode, accumulating per-class sums.
+
+    Sums are accumulated in float64 on the data's device so that V (a difference of two
+    similar magnitudes) keeps its precision.
+    """
+    was_training = extractor.training
+    extractor.eval()
+    device = images.device
+    counts = torch.zeros(num_classes, dtype=torch.float64, device=device)
+    sq_norm_sums = torch.zeros(num_classes, dtype=torch.float64, device=device)
+    sums: torch.Tensor | None = None
+    for start in range(0, len(images), batch_size):
+        z = extractor(images[start : start + batch_size]).to(torch.float64)
+        y = labels[start : start + batch_size]
+        if sums is None:
+            sums = torch.zeros(num_classes, z.shape[1], dtype=torch.float64, device=device)
+        sums.index_add_(0, y, z)
+        sq_norm_sums.index_add_(0, y, (z * z).sum(dim=1))
+        counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+    extractor.train(was_training)
+    if sums is None:
+        raise ValueError("cannot compute feature statistics of an empty dataset")
+    return ClassFeatureSums(counts=counts, sums=sums, sq_norm_sums=sq_norm_sums)
+
+
+def feature_statistics(sums: ClassFeatureSums) -> FeatureStatistics:
+    """h_i and V_i from the per-class sums.
+
+    h_i = [p_ik mu_ik]_k and
+    V_i = sum_k p_ik E[||z||^2 | y=k] - sum_k p_ik^2 ||mu_ik||^2 (eq. 44, Lambda = I).
+    """
+    n = sums.counts.sum()
+    p = sums.counts / n
+    mu = sums.class_means()
+    h = p.unsqueeze(1) * mu
+    # sum_k p_k E[||z||^2 | k] is simply the mean of ||z||^2 over all samples.
+    v = sums.sq_norm_sums.sum() / n - (p.square() * mu.square().sum(dim=1)).sum()
+    return FeatureStatistics(num_samples=int(n.item()), h=h, v=float(v.item()))

@@ -1,0 +1,141 @@
+"""Checking and decoding client replies: nothing malformed reaches the global state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Message
+
+from common import protocol as p
+
+
+class InvalidReply(ValueError):
+    """A reply that must be rejected; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class ClientUpdate:  # pylint: disable=too-many-instance-attributes
+    """One client's decoded training reply."""
+
+    partition_id: int
+    node_id: int
+    extractor: p.NDArrays
+    head: p.NDArrays
+    centroids: np.ndarray  # (K, d)
+    class_counts: np.ndarray  # (K,)
+    h: np.ndarray  # (K, d)
+    v: float
+    num_examples: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ClientEvaluation:
+    partition_id: int
+    node_id: int
+    num_examples: int
+    accuracy: float
+    loss: float
+
+
+def _get(msg: Message, key: str):
+    if key not in msg.content:
+        raise InvalidReply(f"missing record '{key}'")
+    return msg.content[key]
+
+
+def _metric(metrics, key: str) -> float:
+    if key not in metrics:
+        raise InvalidReply(f"missing metric '{key}'")
+    value = metrics[key]
+    if not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise InvalidReply(f"metric '{key}' = {value!r} is not a finite number")
+    return float(value)
+
+
+def _partition_id(metrics, num_partitions: int | None) -> int:
+    value = _metric(metrics, p.PARTITION_ID)
+    if not value.is_integer() or value < 0 or (num_partitions is not None and value >= num_partitions):
+        raise InvalidReply(f"partition-id {value!r} is not a valid partition")
+    return int(value)
+
+
+def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDArrays:
+    if set(arrays) != set(template):
+        raise InvalidReply(f"{what} keys differ from the model's")
+    for key, value in arrays.items():
+        if value.shape != template[key].shape:
+            raise InvalidReply(f"{what} '{key}' has shape {value.shape}, expected {template[key].shape}")
+        if not np.isfinite(value).all():
+            raise InvalidReply(f"{what} '{key}' holds NaN or Inf")
+    return {key: arrays[key].astype(template[key].dtype) for key in template}
+
+
+def parse_train_reply(
+    msg: Message,
+    extractor_template: p.NDArrays,
+    head_template: p.NDArrays,
+    num_partitions: int | None = None,
+) -> ClientUpdate:
+    """Decode a training reply, checking shapes, finiteness and count consistency."""
+    if msg.has_error():
+        raise InvalidReply(f"client error: {msg.error.reason}")
+    metrics = _get(msg, p.METRICS)
+    partition_id = _partition_id(metrics, num_partitions)
+    arrays = p.from_record(_get(msg, p.ARRAYS))
+    extractor = _check_arrays(
+        {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
+    )
+    head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
+    stats = p.from_record(_get(msg, p.STATISTICS))
+    num_classes, dim = head_template["head.weight"].shape
+    expected = {p.CENTROID_VALUES: (num_classes, dim), p.CLASS_COUNTS: (num_classes,), p.H: (num_classes, dim)}
+    for key, shape in expected.items():
+        if key not in stats:
+            raise InvalidReply(f"statistics lack '{key}'")
+        if stats[key].shape != shape:
+            raise InvalidReply(f"statistics '{key}' has shape {stats[key].shape}, expected {shape}")
+        if not np.isfinite(stats[key]).all():
+            raise InvalidReply(f"statistics '{key}' hold NaN or Inf")
+    counts = stats[p.CLASS_COUNTS].astype(np.float64)
+    num_examples = _metric(metrics, p.NUM_EXAMPLES)
+    if (counts < 0).any() or not np.allclose(counts, np.round(counts)):
+        raise InvalidReply("class counts must be non-negative integers")
+    if num_examples <= 0 or counts.sum() != num_examples:
+        raise InvalidReply(f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
+    v = _metric(metrics, p.V)
+    if v < 0:
+        raise InvalidReply(f"V = {v} is negative")
+    return ClientUpdate(
+        partition_id=partition_id,
+        node_id=msg.metadata.src_node_id,
+        extractor=extractor,
+        head=head,
+        centroids=stats[p.CENTROID_VALUES].astype(np.float64),
+        class_counts=counts,
+        h=stats[p.H].astype(np.float64),
+        v=v,
+        num_examples=int(num_examples),
+        metrics={k: float(val) for k, val in metrics.items() if isinstance(val, (int, float))},
+    )
+
+
+def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> ClientEvaluation:
+    """Decode an evaluation reply."""
+    if msg.has_error():
+        raise InvalidReply(f"client error: {msg.error.reason}")
+    metrics = _get(msg, p.METRICS)
+    accuracy = _metric(metrics, "accuracy")
+    if not 0.0 <= accuracy <= 1.0:
+        raise InvalidReply(f"accuracy {accuracy} outside [0, 1]")
+    num_examples = _metric(metrics, p.NUM_EXAMPLES)
+    if num_examples <= 0:
+        raise InvalidReply(f"num-examples {num_examples} must be positive")
+    return ClientEvaluation(
+        partition_id=_partition_id(metrics, num_partitions),
+        node_id=msg.metadata.src_node_id,
+        num_examples=int(num_examples),
+        accuracy=accuracy,
+        loss=_metric(metrics, "loss"),
+    )

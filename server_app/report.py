@@ -1,0 +1,198 @@
+"""Run outputs: per-round records, metrics as JSON and CSV, accuracy and alpha plots.
+
+Everything is rewritten atomically (temp file, then rename) after every round, so a run that
+stops early still leaves complete, readable files for the rounds it finished.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from logging import INFO
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: servers and containers have no display
+import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-position
+
+CLIENT_COLUMNS = (
+    "round", "partition_id", "group", "trained", "accuracy", "test_loss", "num_examples", "v",
+    "head_loss", "train_loss", "align_loss", "train_seconds", "bytes_sent", "bytes_received",
+    "solver_status",
+)
+ROUND_COLUMNS = (
+    "round", "mean_accuracy", "min_accuracy", "max_accuracy", "num_evaluated", "num_trained",
+    "mean_train_loss", "qp_fallbacks", "centroid_classes", "bytes_sent", "bytes_received", "seconds",
+)
+
+
+@dataclass
+class RoundRecord:  # pylint: disable=too-many-instance-attributes
+    """Everything measured in one round, per client keyed by partition-id."""
+
+    round: int
+    started: float
+    seconds: float = 0.0
+    train: dict[int, dict[str, float]] = field(default_factory=dict)
+    alpha_partitions: list[int] = field(default_factory=list)
+    alpha: list[list[float]] = field(default_factory=list)
+    solver_status: list[str] = field(default_factory=list)
+    accuracy: dict[int, float] = field(default_factory=dict)
+    test_loss: dict[int, float] = field(default_factory=dict)
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    centroid_classes: int = 0
+
+    @property
+    def mean_accuracy(self) -> float:
+        """Unweighted mean of the clients' personalized accuracies (the paper's metric)."""
+        return float(np.mean(list(self.accuracy.values()))) if self.accuracy else float("nan")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class RunReport:
+    """Collects :class:`RoundRecord` s and keeps the output directory up to date."""
+
+    def __init__(self, directory: Path, num_rounds: int, group_of: Callable[[int], int], config: dict) -> None:
+        self.directory = directory
+        self.num_rounds = num_rounds
+        self.group_of = group_of
+        self.config = config
+        self.rounds: list[RoundRecord] = []
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
+
+    def add(self, record: RoundRecord) -> None:
+        """Log the round's line and rewrite every output file."""
+        self.rounds.append(record)
+        log(INFO, "%s", self.round_line(record))
+        self.write()
+
+    def round_line(self, record: RoundRecord) -> str:
+        acc = list(record.accuracy.values())
+        losses = [m["train-loss"] for m in record.train.values()]
+        fallbacks = sum(s != "optimal" for s in record.solver_status)
+        return (
+            f"[round {record.round}/{self.num_rounds}] personalized accuracy "
+            f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
+            f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients) | "
+            f"{len(record.train)} trained, loss {np.mean(losses) if losses else float('nan'):.4f} | "
+            f"QP fallbacks {fallbacks} | {record.seconds:.1f}s"
+        )
+
+    # ------------------------------------------------------------------ tables
+
+    def client_rows(self) -> list[dict]:
+        rows = []
+        for r in self.rounds:
+            status = dict(zip(r.alpha_partitions, r.solver_status))
+            for pid in sorted(set(r.accuracy) | set(r.train)):
+                train = r.train.get(pid, {})
+                rows.append({
+                    "round": r.round, "partition_id": pid, "group": self.group_of(pid),
+                    "trained": int(pid in r.train), "accuracy": r.accuracy.get(pid, ""),
+                    "test_loss": r.test_loss.get(pid, ""), "num_examples": train.get("num-examples", ""),
+                    "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
+                    "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
+                    "train_seconds": train.get("train-seconds", ""),
+                    "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
+                    "solver_status": status.get(pid, ""),
+                })
+        return rows
+
+    def round_rows(self) -> list[dict]:
+        rows = []
+        for r in self.rounds:
+            acc = list(r.accuracy.values())
+            losses = [m["train-loss"] for m in r.train.values()]
+            rows.append({
+                "round": r.round, "mean_accuracy": r.mean_accuracy,
+                "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
+                "num_evaluated": len(acc), "num_trained": len(r.train),
+                "mean_train_loss": float(np.mean(losses)) if losses else "",
+                "qp_fallbacks": sum(s != "optimal" for s in r.solver_status),
+                "centroid_classes": r.centroid_classes,
+                "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
+                "seconds": r.seconds,
+            })
+        return rows
+
+    @staticmethod
+    def _csv(rows: list[dict], columns: tuple[str, ...]) -> bytes:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        return buffer.getvalue().encode()
+
+    def write(self) -> None:
+        """Rewrite metrics.json, rounds.csv, clients.csv, accuracy.png and alpha.png."""
+        records = [
+            {**asdict(r), "mean_accuracy": r.mean_accuracy,
+             "group": {pid: self.group_of(pid) for pid in sorted(set(r.accuracy) | set(r.train))}}
+            for r in self.rounds
+        ]
+        document = {"config": self.config, "rounds": records, "written": time.time()}
+        _atomic_write(self.directory / "metrics.json", json.dumps(document, indent=1).encode())
+        _atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
+        _atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
+        self.plot_accuracy(self.directory / "accuracy.png")
+        latest = next((r for r in reversed(self.rounds) if r.alpha), None)
+        if latest is not None:
+            self.plot_alpha(latest, self.directory / "alpha.png")
+
+    # ------------------------------------------------------------------ plots
+
+    def plot_accuracy(self, path: Path) -> None:
+        rounds = [r.round for r in self.rounds if r.accuracy]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if rounds:
+            per_round = [np.array(list(r.accuracy.values())) * 100 for r in self.rounds if r.accuracy]
+            ax.fill_between(rounds, [a.min() for a in per_round], [a.max() for a in per_round],
+                            alpha=0.2, label="client min-max")
+            ax.plot(rounds, [a.mean() for a in per_round], marker="o", markersize=3, label="mean")
+        ax.set_xlabel("round")
+        ax.set_ylabel("personalized test accuracy (%)")
+        ax.set_title("FedPAC")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        self._save(fig, path)
+
+    def plot_alpha(self, record: RoundRecord, path: Path) -> None:
+        """The client-to-client combination weights, clients ordered by group (paper Fig. 2-3)."""
+        pids = record.alpha_partitions
+        order = sorted(range(len(pids)), key=lambda i: (self.group_of(pids[i]), pids[i]))
+        alpha = np.asarray(record.alpha)[np.ix_(order, order)]
+        labels = [f"{pids[i]} (g{self.group_of(pids[i])})" for i in order]
+        size = max(4.0, 0.3 * len(pids) + 2)
+        fig, ax = plt.subplots(figsize=(size + 1, size))
+        image = ax.imshow(alpha, cmap="viridis", vmin=0.0, vmax=max(alpha.max(), 1e-9))
+        fig.colorbar(image, ax=ax, label="alpha_ij")
+        if len(pids) <= 40:
+            ax.set_xticks(range(len(pids)), labels, rotation=90, fontsize=7)
+            ax.set_yticks(range(len(pids)), labels, fontsize=7)
+        ax.set_xlabel("head of client j")
+        ax.set_ylabel("client i")
+        ax.set_title(f"combination weights, round {record.round}")
+        self._save(fig, path)
+
+    @staticmethod
+    def _save(fig, path: Path) -> None:
+        buffer = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buffer, format="png", dpi=110)
+        plt.close(fig)
+        _atomic_write(path, buffer.getvalue())

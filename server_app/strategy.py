@@ -1,0 +1,269 @@
+"""The FedPAC Strategy on Flower's Message API.
+
+Per round: every selected node gets its own message (global extractor, global centroids, and
+*its* personalized head); ``aggregate_train`` averages extractors by samples (eq. 18),
+centroids by class counts (eq. 19), solves each replying client's collaboration QP and stores
+the mixed heads by partition-id; ``configure_evaluate`` sends every node its new head.
+The math lives in ``common.aggregation`` and ``common.collaboration``; this file is the glue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from common import protocol as p
+from common.aggregation import aggregate_centroids, weighted_average
+from common.collaboration import collaboration_weights, mix_heads
+from server_app.replies import (
+    ClientEvaluation,
+    ClientUpdate,
+    InvalidReply,
+    parse_evaluate_reply,
+    parse_train_reply,
+)
+from server_app.report import RoundRecord
+
+
+class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
+    """FedPAC: feature alignment + classifier collaboration (Xu et al., ICLR 2023).
+
+    Parameters
+    ----------
+    initial_head : dict[str, np.ndarray]
+        The initial classifier head: what a client that never trained gets.
+    num_rounds : int
+        Total rounds, so that the last one can include every client.
+    fraction_train, fraction_evaluate : float
+        Fraction of connected nodes sampled for training / evaluation.
+    full_last_round : bool
+        Train every connected node in the last round (the paper's protocol).
+    min_available_nodes : int
+        Wait until at least this many nodes are connected before sampling.
+    alpha_threshold : float
+        Combination weights below this are zeroed (then rows renormalized).
+    seed : int
+        Seeds node sampling.
+    on_round_end : callable, optional
+        Called with each finished round's :class:`RoundRecord` (used to write outputs).
+    """
+
+    def __init__(  # pylint: disable=too-many-arguments
+        self,
+        *,
+        initial_head: p.NDArrays,
+        num_rounds: int,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        full_last_round: bool = True,
+        min_available_nodes: int = 2,
+        alpha_threshold: float = 1e-3,
+        seed: int = 0,
+        on_round_end: Callable[[RoundRecord], None] | None = None,
+    ) -> None:
+        self.initial_head = initial_head
+        self.num_rounds = num_rounds
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.full_last_round = full_last_round
+        self.min_available_nodes = min_available_nodes
+        self.alpha_threshold = alpha_threshold
+        self.seed = seed
+        self.on_round_end = on_round_end
+        # State, every per-client entry keyed by partition-id (node ids change between runs).
+        self.heads: dict[int, p.NDArrays] = {}
+        num_classes, dim = initial_head["head.weight"].shape
+        self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
+        self.centroid_mask = np.zeros(num_classes, dtype=bool)
+        self.node_partition: dict[int, int] = {}
+        self.extractor_template: p.NDArrays | None = None
+        self._record: RoundRecord | None = None
+        # Payload bytes per node this round, both phases (train + evaluate).
+        self._bytes_sent: dict[int, int] = {}
+        self._bytes_received: dict[int, int] = {}
+
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
+            "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
+            self.fraction_evaluate, self.min_available_nodes)
+        log(INFO, "\t└──> Collaboration: weights below %g dropped", self.alpha_threshold)
+
+    # ------------------------------------------------------------------ sampling / messages
+
+    def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
+        while len(nodes := sorted(grid.get_node_ids())) < self.min_available_nodes:
+            log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
+            time.sleep(1)
+        if full:
+            return nodes
+        size = max(1, int(round(fraction * len(nodes))))
+        rng = np.random.default_rng([self.seed, server_round])
+        # Choose positions, not ids: node ids are uint64 and numpy would turn them into floats.
+        return sorted(nodes[i] for i in rng.choice(len(nodes), size=size, replace=False))
+
+    def head_of(self, node_id: int) -> p.NDArrays:
+        """The personalized head phi^_i of the client on ``node_id`` (initial if it never trained)."""
+        partition_id = self.node_partition.get(node_id)
+        return self.heads.get(partition_id, self.initial_head) if partition_id is not None else self.initial_head
+
+    def _messages(
+        self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int
+    ) -> list[Message]:
+        messages = []
+        for node_id in node_ids:
+            # A fresh record per node: nothing mutable is shared between messages.
+            content = RecordDict(
+                {
+                    p.ARRAYS: p.to_record({**extractor, **self.head_of(node_id)}),
+                    p.CONFIG: ConfigRecord({p.SERVER_ROUND: server_round}),
+                }
+            )
+            if message_type == MessageType.TRAIN:
+                content[p.CENTROIDS] = p.to_record(
+                    {p.CENTROID_VALUES: self.centroids, p.CENTROID_MASK: self.centroid_mask.astype(np.uint8)}
+                )
+            self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
+            messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
+        return messages
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send each sampled node the global extractor, the centroids and its own head."""
+        full = self.full_last_round and server_round == self.num_rounds
+        node_ids = self._sample(grid, self.fraction_train, server_round, full)
+        log(INFO, "configure_train: %d nodes%s", len(node_ids), " (all: last round)" if full else "")
+        extractor = p.from_record(arrays)
+        self.extractor_template = extractor
+        self._record = RoundRecord(round=server_round, started=time.time())
+        self._bytes_sent, self._bytes_received = {}, {}
+        return self._messages(node_ids, extractor, MessageType.TRAIN, server_round)
+
+    # ------------------------------------------------------------------ aggregation
+
+    def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
+        """Parse a reply; log and drop it when invalid or when its partition-id conflicts."""
+        node_id = msg.metadata.src_node_id
+        if msg.has_content():
+            self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + p.payload_bytes(msg.content)
+        try:
+            parsed = parse(msg)
+        except InvalidReply as err:
+            log(WARNING, "Rejected reply from node %d: %s", node_id, err)
+            return None
+        claimed_by = {pid: node for node, pid in self.node_partition.items()}.get(parsed.partition_id)
+        if claimed_by is not None and claimed_by != node_id:
+            log(WARNING, "Rejected reply from node %d: partition-id %d already belongs to node %d",
+                node_id, parsed.partition_id, claimed_by)
+            return None
+        self.node_partition[node_id] = parsed.partition_id
+        return parsed
+
+    def _unique(self, parsed: list) -> list:
+        """Drop replies whose partition-id appears twice in one round (keep neither)."""
+        ids = [item.partition_id for item in parsed]
+        duplicates = {pid for pid in ids if ids.count(pid) > 1}
+        for pid in duplicates:
+            log(WARNING, "Rejected all replies claiming partition-id %d: claimed twice this round", pid)
+        return sorted((item for item in parsed if item.partition_id not in duplicates),
+                      key=lambda item: item.partition_id)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Extractor average, centroid update, collaboration QPs and head mixing."""
+        replies = list(replies)
+        assert self.extractor_template is not None and self._record is not None
+        head_template = self.initial_head
+        updates: list[ClientUpdate] = self._unique(
+            [
+                u
+                for u in (
+                    self._accept(
+                        msg, lambda m: parse_train_reply(m, self.extractor_template, head_template)
+                    )
+                    for msg in replies
+                )
+                if u is not None
+            ]
+        )
+        log(INFO, "aggregate_train: %d valid replies of %d", len(updates), len(replies))
+        record = self._record
+        record.train = {
+            u.partition_id: {k: v for k, v in u.metrics.items() if k != p.PARTITION_ID} for u in updates
+        }
+        if not updates:
+            log(WARNING, "Round %d: no valid training replies; global state unchanged", server_round)
+            return None, None
+
+        extractor = weighted_average([u.extractor for u in updates], [u.num_examples for u in updates])
+        self.centroids, self.centroid_mask = aggregate_centroids(
+            np.stack([u.centroids for u in updates]),
+            np.stack([u.class_counts for u in updates]),
+            self.centroids,
+            self.centroid_mask,
+        )
+        collaboration = collaboration_weights(
+            np.stack([u.h for u in updates]),
+            np.array([u.v for u in updates]),
+            np.array([u.num_examples for u in updates], dtype=np.float64),
+            self.alpha_threshold,
+        )
+        # Row i of alpha belongs to updates[i]: updates are sorted by partition-id and the
+        # same list feeds h, V, n and the heads, so reply order cannot mismatch them.
+        for update, head in zip(updates, mix_heads([u.head for u in updates], collaboration.alpha)):
+            self.heads[update.partition_id] = head
+        record.alpha_partitions = [u.partition_id for u in updates]
+        record.alpha = collaboration.alpha.tolist()
+        record.solver_status = collaboration.status
+        metrics = MetricRecord(
+            {
+                "train-loss": float(np.mean([u.metrics["train-loss"] for u in updates])),
+                "num-replies": len(updates),
+                "qp-fallbacks": sum(s != "optimal" for s in collaboration.status),
+            }
+        )
+        return p.to_record(extractor), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send every sampled node the new global extractor and its own combined head."""
+        node_ids = self._sample(grid, self.fraction_evaluate, server_round, self.fraction_evaluate >= 1.0)
+        return self._messages(node_ids, p.from_record(arrays), MessageType.EVALUATE, server_round)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Unweighted mean of the clients' personalized accuracies; closes the round's record."""
+        evaluations: list[ClientEvaluation] = self._unique(
+            [e for e in (self._accept(m, parse_evaluate_reply) for m in replies) if e is not None]
+        )
+        record = self._record
+        if record is None:
+            return None
+        record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
+        record.test_loss = {e.partition_id: e.loss for e in evaluations}
+        record.centroid_classes = int(self.centroid_mask.sum())
+        record.seconds = time.time() - record.started
+        for node_id, pid in self.node_partition.items():
+            if node_id in self._bytes_sent:
+                record.bytes_sent[pid] = self._bytes_sent[node_id]
+                record.bytes_received[pid] = self._bytes_received.get(node_id, 0)
+        if self.on_round_end is not None:
+            self.on_round_end(record)
+        if not evaluations:
+            log(WARNING, "Round %d: no valid evaluation replies", server_round)
+            return None
+        return MetricRecord(
+            {
+                "accuracy": float(np.mean([e.accuracy for e in evaluations])),
+                "num-clients": len(evaluations),
+            }
+        )
