@@ -115,7 +115,7 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(0.0 <= cfg.alpha_threshold < 1.0, k("alpha_threshold"), cfg.alpha_threshold, "in [0, 1)")
     _check(cfg.dataset in DATASETS, k("dataset"), cfg.dataset, f"one of {', '.join(DATASETS)}")
     _check(
-        cfg.dataset != "hf" or bool(cfg.hf_repo),
+        cfg.dataset != "hf" or bool(cfg.hf_repo or cfg.data_dir),
         k("hf_repo"),
         cfg.hf_repo,
         "a Hugging Face dataset name (or set data-dir to a saved DatasetDict) when dataset = 'hf'",

@@ -104,7 +104,8 @@ class RunReport:
                 rows.append({
                     "round": r.round, "partition_id": pid, "group": self.group_of(pid),
                     "trained": int(pid in r.train), "accuracy": r.accuracy.get(pid, ""),
-                    "test_loss": r.test_loss.get(pid, ""), "num_examples": train.get("num-examples", ""),
+                    "test_loss": r.test_loss.get(pid, ""),
+                    "num_examples": int(train["num-examples"]) if train else "",
                     "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
                     "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
                     "train_seconds": train.get("train-seconds", ""),
@@ -146,7 +147,7 @@ class RunReport:
             for r in self.rounds
         ]
         document = {"config": self.config, "rounds": records, "written": time.time()}
-        _atomic_write(self.directory / "metrics.json", json.dumps(document, indent=1).encode())
+        _atomic_write(self.directory / "metrics.json", json.dumps(document, separators=(",", ":")).encode())
         _atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
         _atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
         self.plot_accuracy(self.directory / "accuracy.png")

@@ -159,11 +159,12 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         except InvalidReply as err:
             log(WARNING, "Rejected reply from node %d: %s", node_id, err)
             return None
-        claimed_by = {pid: node for node, pid in self.node_partition.items()}.get(parsed.partition_id)
-        if claimed_by is not None and claimed_by != node_id:
-            log(WARNING, "Rejected reply from node %d: partition-id %d already belongs to node %d",
-                node_id, parsed.partition_id, claimed_by)
-            return None
+        previous = {pid: node for node, pid in self.node_partition.items()}.get(parsed.partition_id)
+        if previous is not None and previous != node_id:
+            # A restarted SuperNode comes back with a new node id; it takes its partition over.
+            # Two live nodes claiming one partition in the same round are rejected by _unique.
+            log(WARNING, "partition-id %d moved from node %d to node %d", parsed.partition_id, previous, node_id)
+            del self.node_partition[previous]
         self.node_partition[node_id] = parsed.partition_id
         return parsed
 

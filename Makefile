@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (Python >= 3.11 with venv):
+#   make run    set up, then train FedPAC on the embedded MNIST data (10 simulated clients)
+#   make test   set up, then run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+CLIENTS ?= 10
+RUN_CONFIG ?=
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export FLWR_DISABLE_UPDATE_CHECK := 1
+export FLWR_TELEMETRY_ENABLED := 0
+
+.PHONY: install run test stop clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deploy/simulate.sh --clients $(CLIENTS) \
+		--run-config "output-dir='$(CURDIR)/outputs' $(RUN_CONFIG)"
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+stop:  # the local SuperLink that `flwr run` starts keeps running after the run
+	-pkill -f "flower-superlink.*--simulation"
+
+clean: stop
+	rm -rf $(VENV) outputs

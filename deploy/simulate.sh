@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run FedPAC as a local Flower simulation and fail unless the run completed.
+# `flwr run` itself exits 0 even when the run failed, so the run's status is checked.
+#   deploy/simulate.sh [--clients N] [--run-config "k=v k=v"]
+set -euo pipefail
+clients=10
+run_config=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --clients) clients="$2"; shift 2 ;;
+    --run-config) run_config="$2"; shift 2 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_DISABLE_UPDATE_CHECK=1
+app_dir="$(cd "$(dirname "$0")/.." && pwd)"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+flwr run "$app_dir" --stream ${run_config:+--run-config "$run_config"} \
+  --federation-config "num-supernodes=$clients client-resources-num-cpus=1" | tee "$log"
+run_id="$(grep -oE 'Successfully started run [0-9]+' "$log" | grep -oE '[0-9]+$' || true)"
+if [ -z "$run_id" ]; then
+  echo "simulate.sh: the run did not start" >&2
+  exit 1
+fi
+status="$(flwr ls --run-id "$run_id" --format json | python3 -c 'import json,sys; print(json.load(sys.stdin)["runs"][0]["status"])')"
+echo "run $run_id: $status"
+[ "$status" = "finished:completed" ]

@@ -1,0 +1,78 @@
+"""An in-process federation for tests: the real ClientApp behind a Grid-like object.
+
+``InProcessGrid`` gives the strategy what Flower's Grid gives it (node ids, send and receive),
+and delivers every message to the real ``client_app.app`` with a per-node Context, the way a
+SuperNode would, minus the network. Tests can reorder replies or tamper with them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client_app.app import app as client_app
+
+SERVER_NODE_ID = 1
+
+
+def set_task_identity(run_id: int = 7) -> None:
+    """What the ServerApp runtime sets before a strategy creates messages."""
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = SERVER_NODE_ID
+    TaskIdentity.task_id = 1
+
+
+class InProcessGrid:
+    """Nodes with random 64-bit ids (as in Flower), each holding one partition."""
+
+    def __init__(
+        self,
+        run_config: dict,
+        num_partitions: int,
+        seed: int = 0,
+        shuffle_replies: bool = False,
+        tamper: Callable[[Message, int], Message | None] | None = None,
+    ) -> None:
+        rng = random.Random(seed)
+        self.partition_of_node: dict[int, int] = {}
+        self.contexts: dict[int, Context] = {}
+        for pid in range(num_partitions):
+            node_id = rng.getrandbits(64) | 1 << 63  # uint64, above the int64 range
+            self.partition_of_node[node_id] = pid
+            self.contexts[node_id] = Context(
+                run_id=7,
+                node_id=node_id,
+                node_config={"partition-id": pid, "num-partitions": num_partitions},
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
+        self.rng = rng
+        self.shuffle_replies = shuffle_replies
+        self.tamper = tamper
+        self.sent: list[Message] = []
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def _deliver(self, msg: Message) -> Message:
+        context = self.contexts[msg.metadata.dst_node_id]
+        try:
+            return client_app(msg, context)
+        except Exception as err:  # pylint: disable=broad-except  # a SuperNode reports, not crashes
+            return Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.sent.extend(messages)
+        replies = [self._deliver(m) for m in messages]
+        if self.tamper is not None:
+            replies = [
+                r for r in (self.tamper(reply, self.partition_of_node[reply.metadata.src_node_id]) for reply in replies)
+                if r is not None
+            ]
+        if self.shuffle_replies:
+            self.rng.shuffle(replies)
+        return replies

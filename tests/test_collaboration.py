@@ -1,0 +1,132 @@
+"""The collaboration QP: P_i from the Gram identity, solutions against brute force."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from common.collaboration import (
+    collaboration_matrices,
+    collaboration_matrix_direct,
+    collaboration_weights,
+    mix_heads,
+    qp_objective,
+    solve_simplex_qp,
+    sparsify,
+)
+
+
+def _stats(m, k=3, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(m, k, d)), rng.uniform(0.5, 2.0, m), rng.integers(50, 600, m).astype(float)
+
+
+def _simplex_grid(m, steps):
+    """Every point of the simplex with coordinates in multiples of 1/steps."""
+    for combo in itertools.product(range(steps + 1), repeat=m - 1):
+        if sum(combo) <= steps:
+            yield np.array([*combo, steps - sum(combo)], dtype=float) / steps
+
+
+def _brute_force(p, steps):
+    return min(_simplex_grid(len(p), steps), key=lambda a: qp_objective(p, a))
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_gram_identity_equals_direct_definition(m):
+    h, v, n = _stats(m)
+    matrices = collaboration_matrices(h, v, n)
+    for i in range(m):
+        np.testing.assert_allclose(matrices[i], collaboration_matrix_direct(h, v, n, i), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(matrices[i], matrices[i].T, atol=1e-12)
+        assert np.linalg.eigvalsh(matrices[i]).min() > -1e-9  # PSD up to rounding
+
+
+@pytest.mark.parametrize("m,seed", [(2, 0), (2, 1), (3, 2), (3, 3), (4, 4)])
+def test_qp_matches_brute_force(m, seed):
+    h, v, n = _stats(m, seed=seed)
+    steps = {2: 2000, 3: 300, 4: 60}[m]
+    for i, p in enumerate(collaboration_matrices(h, v, n)):
+        alpha = solve_simplex_qp(p)
+        assert alpha.min() >= -1e-8 and alpha.sum() == pytest.approx(1.0, abs=1e-8)
+        best = _brute_force(p, steps)
+        # the solver is at least as good as the finest grid point, and close to it
+        assert qp_objective(p, alpha) <= qp_objective(p, best) + 1e-9
+        np.testing.assert_allclose(alpha, best, atol=2.0 / steps + 1e-3, err_msg=f"row {i}")
+
+
+def test_identical_clients_weight_by_n_over_v():
+    # with identical h the cross terms vanish: minimize sum alpha_j^2 V_j / n_j -> alpha ~ n / V
+    m = 4
+    h = np.repeat(np.random.default_rng(1).normal(size=(1, 3, 4)), m, axis=0)
+    v = np.array([1.0, 2.0, 1.0, 4.0])
+    n = np.array([100.0, 100.0, 300.0, 200.0])
+    expected = (n / v) / (n / v).sum()
+    result = collaboration_weights(h, v, n, threshold=0.0)
+    for row, status in zip(result.alpha, result.status):
+        assert status == "optimal"
+        np.testing.assert_allclose(row, expected, atol=1e-6)
+
+
+def test_single_client_keeps_its_own_head():
+    h, v, n = _stats(1)
+    result = collaboration_weights(h, v, n)
+    np.testing.assert_array_equal(result.alpha, [[1.0]])
+
+
+def test_client_with_an_empty_class():
+    h, v, n = _stats(3, seed=5)
+    h[1, 2] = 0.0  # client 1 has no sample of class 2: p_1,2 = 0 so that row of h_1 is zero
+    result = collaboration_weights(h, v, n, threshold=0.0)
+    np.testing.assert_allclose(result.alpha.sum(axis=1), 1.0, atol=1e-9)
+    for i, p in enumerate(collaboration_matrices(h, v, n)):
+        assert qp_objective(p, result.alpha[i]) <= qp_objective(p, _brute_force(p, 300)) + 1e-9
+
+
+def test_slightly_indefinite_p_from_float_noise_is_solved():
+    h, v, n = _stats(3, seed=6)
+    p = collaboration_matrices(h, v, n)[0]
+    eigenvalues, vectors = np.linalg.eigh(p)
+    eigenvalues[0] = -1e-9 * eigenvalues.max()  # what cancellation can leave behind
+    noisy = vectors @ np.diag(eigenvalues) @ vectors.T
+    noisy[0, 1] += 1e-13  # and a touch of asymmetry
+    assert np.linalg.eigvalsh(0.5 * (noisy + noisy.T)).min() < 0
+    alpha = solve_simplex_qp(noisy)
+    assert alpha.min() >= -1e-8 and alpha.sum() == pytest.approx(1.0, abs=1e-8)
+    tolerance = 1e-8 * np.abs(noisy).max()  # the solver works on P scaled to unit diagonal
+    assert qp_objective(noisy, alpha) <= qp_objective(noisy, _brute_force(noisy, 300)) + tolerance
+
+
+def test_tiny_and_huge_scales_give_the_same_weights():
+    h, v, n = _stats(3, seed=7)
+    base = collaboration_weights(h, v, n, threshold=0.0).alpha
+    for scale in (1e-6, 1e6):
+        scaled = collaboration_weights(h * scale, v * scale**2, n, threshold=0.0).alpha
+        np.testing.assert_allclose(scaled, base, atol=1e-5)
+
+
+def test_failed_solve_falls_back_to_own_head_and_logs(caplog):
+    h, v, n = _stats(3, seed=8)
+    v[1] = np.nan  # poisons every P_i (V_1 / n_1 sits on each diagonal)
+    result = collaboration_weights(h, v, n)
+    np.testing.assert_array_equal(result.alpha, np.eye(3))
+    assert all(status.startswith("fallback") for status in result.status)
+    assert "keeps its own head" in caplog.text
+
+
+def test_sparsify_drops_small_weights_and_renormalizes():
+    alpha = sparsify(np.array([0.6995, 0.3, 0.0005, -1e-9]), threshold=1e-3)
+    np.testing.assert_allclose(alpha, np.array([0.6995, 0.3, 0, 0]) / 0.9995)
+
+
+def test_mix_heads_combines_weight_and_bias_per_row():
+    heads = [
+        {"head.weight": np.full((2, 3), float(j), dtype=np.float32), "head.bias": np.full(2, 10.0 * j, dtype=np.float32)}
+        for j in range(3)
+    ]
+    alpha = np.array([[1.0, 0, 0], [0.25, 0.25, 0.5]])
+    mixed = mix_heads(heads, alpha)
+    np.testing.assert_allclose(mixed[0]["head.weight"], 0.0)
+    np.testing.assert_allclose(mixed[1]["head.weight"], 0.25 * 0 + 0.25 * 1 + 0.5 * 2)
+    np.testing.assert_allclose(mixed[1]["head.bias"], 0.25 * 10 + 0.5 * 20)
+    assert mixed[1]["head.weight"].dtype == np.float32

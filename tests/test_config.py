@@ -1,0 +1,66 @@
+"""Run-config validation: bad values fail before training, naming the key and the range."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, FedPACConfig, parse_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_defaults_match_the_dataclass_and_the_paper():
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = parse_run_config(table)
+    assert cfg == FedPACConfig()  # one source of truth for defaults
+    assert (cfg.local_epochs, cfg.batch_size, cfg.head_lr, cfg.extractor_lr) == (5, 50, 0.1, 0.01)
+    assert (cfg.momentum, cfg.weight_decay, cfg.lambda_align, cfg.uniform_share) == (0.5, 5e-4, 1.0, 20.0)
+    assert cfg.samples_per_client == 600
+
+
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("uniform-share", 120, "[0, 100]"),
+        ("uniform-share", -1, "[0, 100]"),
+        ("fraction-train", 0.0, "(0, 1]"),
+        ("fraction-train", 1.5, "(0, 1]"),
+        ("fraction-evaluate", 0, "(0, 1]"),
+        ("head-lr", -0.1, "> 0"),
+        ("extractor-lr", 0, "> 0"),
+        ("lambda-align", -1.0, ">= 0"),
+        ("weight-decay", -1e-4, ">= 0"),
+        ("momentum", 1.0, "[0, 1)"),
+        ("local-epochs", 0, ">= 1"),
+        ("batch-size", 0, ">= 1"),
+        ("num-server-rounds", 0, ">= 1"),
+        ("dataset", "imagenet", "one of"),
+        ("partition", "iid", "one of"),
+        ("device", "tpu", "one of"),
+        ("samples-per-client", 0, ">= 1"),
+        ("alpha-threshold", 1.0, "[0, 1)"),
+    ],
+)
+def test_invalid_values_name_key_and_range(key, value, fragment):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config({key: value})
+    assert f"'{key}'" in str(err.value) and fragment in str(err.value)
+
+
+def test_wrong_types_and_unknown_keys():
+    with pytest.raises(ConfigError, match="'local-epochs' = 2.5 has the wrong type"):
+        parse_run_config({"local-epochs": 2.5})
+    with pytest.raises(ConfigError, match="'full-last-round'.*wrong type"):
+        parse_run_config({"full-last-round": 1})
+    with pytest.raises(ConfigError, match="unknown run config key"):
+        parse_run_config({"lamda-align": 1.0})
+
+
+def test_named_datasets_fix_the_model_shape():
+    cfg = parse_run_config({"dataset": "cifar10", "image-size": 28, "image-channels": 1})
+    assert (cfg.image_size, cfg.image_channels, cfg.num_classes) == (32, 3, 10)
+    cfg = parse_run_config({"dataset": "hf", "hf-repo": "x/y", "num-classes": 62, "image-size": 28})
+    assert cfg.num_classes == 62
+    with pytest.raises(ConfigError, match="'hf-repo'"):
+        parse_run_config({"dataset": "hf"})

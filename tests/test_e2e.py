@@ -1,0 +1,127 @@
+"""End to end: `flwr run .` on the embedded data, through a local SuperLink and Ray simulation.
+
+`flwr run` exits 0 even when the run fails, so these tests read the run's status from
+`flwr ls` and the app's own outputs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLWR = str(Path(sys.executable).with_name("flwr"))
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def flower_env(tmp_path_factory):
+    """Its own FLWR_HOME, and the local SuperLink it starts stopped afterwards by PID."""
+    home = tmp_path_factory.mktemp("flwr-home")
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    yield env
+    result = subprocess.run(["pgrep", "-f", f"flower-superlink.*{home}"], capture_output=True, text=True)
+    for pid in result.stdout.split():
+        os.kill(int(pid), signal.SIGTERM)
+
+
+def flwr_run(env, run_config: str, num_supernodes: int, timeout: float = 900) -> tuple[str, str]:
+    """Submit a run, wait for it to finish; returns (run id, final status)."""
+    submitted = subprocess.run(
+        [FLWR, "run", str(ROOT), "--format", "json", "--run-config", run_config,
+         "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus=1"],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )
+    run_id = json.loads(submitted.stdout[submitted.stdout.index("{"):])["run-id"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = subprocess.run([FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
+                                env=env, capture_output=True, text=True, check=True)
+        status = json.loads(listed.stdout[listed.stdout.index("{"):])["runs"][0]["status"]
+        if status.startswith("finished"):
+            return str(run_id), status
+        time.sleep(2)
+    subprocess.run([FLWR, "stop", str(run_id)], env=env, capture_output=True)
+    raise AssertionError(f"run {run_id} did not finish within {timeout}s")
+
+
+def run_log(env, run_id: str) -> str:
+    """The run's own log (ServerApp and ClientApps), as `flwr log --show` prints it."""
+    return subprocess.run([FLWR, "log", run_id, "--show"], env=env, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def finished_run(flower_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("outputs")
+    run_id, status = flwr_run(
+        flower_env, f"num-server-rounds=4 samples-per-client=300 test-samples-per-client=100 output-dir='{out}'",
+        num_supernodes=10,
+    )
+    assert status == "finished:completed", run_log(flower_env, run_id)[-5000:]
+    (run_dir,) = [d for d in out.iterdir() if d.name.endswith(f"run{run_id}")]
+    return run_dir
+
+
+def test_run_completes_and_accuracy_is_high_and_rising(finished_run):
+    rounds = list(csv.DictReader((finished_run / "rounds.csv").open()))
+    accuracy = [float(r["mean_accuracy"]) for r in rounds]
+    assert len(accuracy) == 4
+    assert accuracy[-1] > 0.7  # chance is 0.1
+    assert accuracy[-1] > accuracy[0]
+    assert all(int(r["num_evaluated"]) == 10 and int(r["num_trained"]) == 10 for r in rounds)
+    assert all(int(r["qp_fallbacks"]) == 0 for r in rounds)
+
+
+def test_alpha_rows_sum_to_one_and_favour_the_clients_group(finished_run):
+    metrics = json.loads((finished_run / "metrics.json").read_text())
+    last = metrics["rounds"][-1]
+    alpha = np.array(last["alpha"])
+    pids = last["alpha_partitions"]
+    assert pids == list(range(10))
+    np.testing.assert_allclose(alpha.sum(axis=1), 1.0, atol=1e-9)
+    groups = np.array(pids) % 5
+    same = groups[:, None] == groups[None, :]
+    off_diagonal_same = same & ~np.eye(10, dtype=bool)
+    assert alpha[off_diagonal_same].mean() > 5 * alpha[~same].mean()
+    for i in range(10):  # every client gives its group-mate more weight than any outsider
+        assert alpha[i][off_diagonal_same[i]].max() > alpha[i][~same[i]].max()
+
+
+def test_outputs_are_complete(finished_run):
+    for name in ("accuracy.png", "alpha.png"):
+        assert (finished_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    clients = list(csv.DictReader((finished_run / "clients.csv").open()))
+    assert len(clients) == 40
+    assert all(int(row["bytes_sent"]) > 400_000 and int(row["bytes_received"]) > 400_000 for row in clients)
+    assert {row["solver_status"] for row in clients} == {"optimal"}
+    state = np.load(finished_run / "final_state.npz")
+    assert {f"client-{pid}/head.weight" for pid in range(10)} <= set(state.files)
+    assert state["centroid_mask"].all()
+    config = json.loads((finished_run / "config.json").read_text())
+    assert config["num_server_rounds"] == 4 and config["samples_per_client"] == 300
+
+
+def test_invalid_config_fails_the_run_before_training(flower_env, tmp_path):
+    run_id, status = flwr_run(flower_env, f"uniform-share=150.0 output-dir='{tmp_path}'", num_supernodes=2)
+    assert status == "finished:failed"
+    assert not any(tmp_path.iterdir())  # nothing was trained or written
+    log = run_log(flower_env, run_id)
+    assert "'uniform-share' = 150.0 is invalid: must be in [0, 100]" in log
+    assert "configure_train" not in log

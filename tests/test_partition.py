@@ -1,0 +1,116 @@
+"""Partitioners: sizes, the s % uniform share, group dominance, test splits, concept shift."""
+
+import numpy as np
+import pytest
+
+from common.config import parse_run_config
+from common.data import DataError, ImageDataset
+from common.partition import (
+    ConceptShiftPartitioner,
+    FedPACPartitioner,
+    build_partitioner,
+    dominant_class_groups,
+    split_clients,
+)
+
+K = 10
+
+
+def _dataset(train_per_class=300, test_per_class=100):
+    train_labels = np.repeat(np.arange(K), train_per_class)
+    test_labels = np.repeat(np.arange(K), test_per_class)
+    # encode the index in the pixels so tests can check which images a client got
+    return ImageDataset(
+        name="synthetic",
+        train_images=np.zeros((len(train_labels), 28, 28, 1), dtype=np.uint8),
+        train_labels=train_labels,
+        test_images=np.zeros((len(test_labels), 28, 28, 1), dtype=np.uint8),
+        test_labels=test_labels,
+        num_classes=K,
+    )
+
+
+def test_paper_groups_for_ten_classes():
+    assert dominant_class_groups(10) == ((0, 1, 2), (2, 3, 4), (4, 5, 6), (6, 7, 8), (0, 8, 9))
+    assert len(dominant_class_groups(62)) == 3
+
+
+@pytest.mark.parametrize("share", [0, 20, 50, 80, 100])
+def test_sizes_uniform_share_and_group_dominance(share):
+    data = _dataset()
+    partitioner = FedPACPartitioner(20, K, 600, share, seed=1)
+    splits = split_clients(data, partitioner, test_samples_per_client=100, seed=1)
+    for pid, split in enumerate(splits):
+        counts = np.bincount(split.train_labels, minlength=K)
+        assert counts.sum() == 600 and len(set(split.train_indices)) == 600
+        dominant = list(dominant_class_groups(K)[pid % 5])
+        others = [k for k in range(K) if k not in dominant]
+        n_uniform = round(600 * share / 100)
+        # every non-dominant class gets exactly its uniform share (+-1 for rounding)
+        assert all(abs(counts[k] - n_uniform / K) <= 1 for k in others)
+        assert counts[dominant].sum() == pytest.approx(600 - n_uniform * 7 / 10, abs=3)
+        if share < 100:
+            assert counts[dominant].min() > counts[others].max()
+
+
+def test_test_split_has_the_training_label_distribution():
+    data = _dataset()
+    splits = split_clients(data, FedPACPartitioner(10, K, 600, 20, seed=2), 200, seed=2)
+    for split in splits:
+        train = np.bincount(split.train_labels, minlength=K) / 600
+        test = np.bincount(split.test_labels, minlength=K) / 200
+        np.testing.assert_allclose(test, train, atol=1 / 200 + 1e-9)
+        assert len(set(split.test_indices)) == 200
+
+
+def test_clients_do_not_overlap_while_the_data_suffices():
+    data = _dataset(train_per_class=600)
+    splits = split_clients(data, FedPACPartitioner(10, K, 300, 20, seed=0), 50, seed=0)
+    everything = np.concatenate([s.train_indices for s in splits])
+    assert len(set(everything)) == len(everything)
+
+
+def test_asking_more_of_a_class_than_exists_is_a_clear_error():
+    data = _dataset(train_per_class=50)
+    with pytest.raises(DataError, match="samples of class"):
+        split_clients(data, FedPACPartitioner(5, K, 600, 20), 50, seed=0)
+
+
+def test_partitions_are_deterministic_in_the_seed():
+    data = _dataset()
+    a = split_clients(data, FedPACPartitioner(5, K, 100, 20, seed=4), 20, seed=4)
+    b = split_clients(data, FedPACPartitioner(5, K, 100, 20, seed=4), 20, seed=4)
+    c = split_clients(data, FedPACPartitioner(5, K, 100, 20, seed=5), 20, seed=5)
+    assert all(np.array_equal(x.train_indices, y.train_indices) for x, y in zip(a, b))
+    assert not all(np.array_equal(x.train_indices, y.train_indices) for x, y in zip(a, c))
+
+
+def test_concept_shift_relabels_each_group_with_its_own_permutation():
+    data = _dataset()
+    base = FedPACPartitioner(10, K, 200, 20, seed=3)
+    shifted = ConceptShiftPartitioner(FedPACPartitioner(10, K, 200, 20, seed=3), K, 5, seed=3)
+    plain = split_clients(data, base, 50, seed=3)
+    moved = split_clients(data, shifted, 50, seed=3)
+    perms = shifted.permutations
+    assert all(sorted(perm) == list(range(K)) for perm in perms)
+    assert len({tuple(perm) for perm in perms}) == 5
+    for pid, (a, b) in enumerate(zip(plain, moved)):
+        np.testing.assert_array_equal(a.train_indices, b.train_indices)  # same images
+        perm = perms[pid % 5]
+        np.testing.assert_array_equal(b.train_labels, perm[a.train_labels])
+        np.testing.assert_array_equal(b.test_labels, perm[data.test_labels[b.test_indices]])
+    # clients in one group share the labelling: identical image classes -> identical labels
+    assert np.array_equal(perms[0], perms[5 % 5])
+
+
+@pytest.mark.parametrize("scheme", ["dirichlet", "pathological"])
+def test_flwr_datasets_partitioners_are_selectable(scheme):
+    cfg = parse_run_config({"partition": scheme, "pathological-classes": 2, "dirichlet-alpha": 0.3})
+    splits = split_clients(_dataset(), build_partitioner(cfg, 6), 40, seed=0)
+    assert len(splits) == 6
+    every = np.concatenate([s.train_indices for s in splits])
+    assert len(set(every)) == len(every)  # these partition the training set
+    if scheme == "pathological":
+        assert all(len(np.unique(s.train_labels)) <= 2 for s in splits)
+    for split in splits:
+        assert set(np.unique(split.test_labels)) <= set(np.unique(split.train_labels))

@@ -1,0 +1,135 @@
+"""The FedPAC Strategy driven through an in-process federation of real ClientApps."""
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from common import protocol as p
+from common.aggregation import weighted_average
+from common.collaboration import collaboration_weights, mix_heads
+from common.config import parse_run_config
+from federation import InProcessGrid
+from server_app.app import initial_model
+from server_app.replies import parse_train_reply
+from server_app.strategy import FedPAC
+from common.model import split_state
+
+RUN_CONFIG = {
+    "samples-per-client": 60,
+    "test-samples-per-client": 30,
+    "local-epochs": 1,
+    "batch-size": 20,
+}
+
+
+def _strategy(cfg, **kwargs):
+    model = initial_model(cfg)
+    extractor, head = split_state({k: v.numpy() for k, v in model.state_dict().items()})
+    strategy = FedPAC(initial_head=head, num_rounds=cfg.num_server_rounds, seed=cfg.seed, **kwargs)
+    return strategy, p.to_record(extractor)
+
+
+def _train_round(strategy, grid, arrays, server_round=1):
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+    replies = grid.send_and_receive(messages)
+    return messages, replies, strategy.aggregate_train(server_round, replies)
+
+
+def _run_round(shuffle, num_partitions=5, run_config=RUN_CONFIG):
+    cfg = parse_run_config(run_config)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(run_config, num_partitions, shuffle_replies=shuffle, seed=3)
+    _, replies, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
+    return strategy, replies, new_arrays, metrics
+
+
+def test_each_head_is_mixed_with_its_own_alpha_row_under_shuffled_replies():
+    strategy, replies, new_arrays, _ = _run_round(shuffle=True)
+    template_extractor = p.from_record(new_arrays)
+    updates = sorted(
+        (parse_train_reply(r, template_extractor, strategy.initial_head) for r in replies),
+        key=lambda u: u.partition_id,
+    )
+    assert [u.partition_id for u in updates] == [0, 1, 2, 3, 4]
+    expected = collaboration_weights(
+        np.stack([u.h for u in updates]), np.array([u.v for u in updates]),
+        np.array([u.num_examples for u in updates], dtype=float),
+    )
+    mixed = mix_heads([u.head for u in updates], expected.alpha)
+    for update, head in zip(updates, mixed):
+        for key in head:
+            np.testing.assert_allclose(strategy.heads[update.partition_id][key], head[key], rtol=1e-6)
+    # the extractor is the sample-weighted mean of the replies' extractors
+    average = weighted_average([u.extractor for u in updates], [u.num_examples for u in updates])
+    for key, value in average.items():
+        np.testing.assert_allclose(template_extractor[key], value, rtol=1e-6)
+
+
+def test_reply_order_does_not_change_the_result():
+    ordered, _, arrays_a, _ = _run_round(shuffle=False)
+    shuffled, _, arrays_b, _ = _run_round(shuffle=True)
+    for pid in range(5):
+        for key in ordered.heads[pid]:
+            np.testing.assert_allclose(ordered.heads[pid][key], shuffled.heads[pid][key], rtol=1e-6)
+    for key, value in p.from_record(arrays_a).items():
+        np.testing.assert_allclose(value, p.from_record(arrays_b)[key], rtol=1e-6)
+
+
+def test_every_node_receives_its_own_head_next_round():
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 4, shuffle_replies=True)
+    _, _, (arrays, _) = _train_round(strategy, grid, arrays, 1)
+    messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    assert len({id(m.content) for m in messages}) == len(messages)  # no shared records
+    for msg in messages:
+        pid = grid.partition_of_node[msg.metadata.dst_node_id]
+        sent = p.from_record(msg.content[p.ARRAYS])
+        for key, value in strategy.heads[pid].items():
+            np.testing.assert_array_equal(sent[key], value)
+        np.testing.assert_array_equal(p.from_record(msg.content[p.CENTROIDS])[p.CENTROID_MASK],
+                                      strategy.centroid_mask.astype(np.uint8))
+    assert strategy.centroid_mask[:10].any()
+
+
+def test_partial_participation_samples_the_fraction_and_all_in_last_round():
+    cfg = parse_run_config({**RUN_CONFIG, "num-server-rounds": 3, "fraction-train": 0.4})
+    strategy, arrays = _strategy(cfg, fraction_train=0.4)
+    grid = InProcessGrid(RUN_CONFIG, 10)
+    assert len(list(strategy.configure_train(1, arrays, ConfigRecord(), grid))) == 4
+    assert len(list(strategy.configure_train(3, arrays, ConfigRecord(), grid))) == 10
+
+
+def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
+    def tamper(reply, pid):
+        if pid == 1:  # NaN statistics
+            stats = p.from_record(reply.content[p.STATISTICS])
+            stats[p.H][0, 0] = np.nan
+            reply.content[p.STATISTICS] = p.to_record(stats)
+        if pid == 2:  # a client that lies about its sample count
+            reply.content[p.METRICS][p.NUM_EXAMPLES] = 10**6
+        return reply
+
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 5, tamper=tamper)
+    bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == 3)
+    grid.contexts[bad_node].node_config["partition-id"] = 99  # raises in the ClientApp
+    with caplog.at_level(logging.WARNING):
+        _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
+    assert new_arrays is not None and metrics["num-replies"] == 2
+    assert sorted(strategy.heads) == [0, 4]
+    assert "holds NaN" in caplog.text or "hold NaN" in caplog.text
+    assert "num-examples" in caplog.text
+    assert "client error" in caplog.text
+
+
+def test_a_round_without_valid_replies_keeps_the_global_state():
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=lambda reply, pid: None)
+    _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
+    assert new_arrays is None and metrics is None
+    assert not strategy.heads and not strategy.centroid_mask.any()

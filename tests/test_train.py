@@ -1,0 +1,92 @@
+"""The local update: what trains when, and where the alignment gradient goes."""
+
+import dataclasses
+
+import torch
+
+from client_app.train import alignment_loss, local_update, train_extractor, train_head
+from common.config import FedPACConfig
+from common.model import FedPACNet
+from common.statistics import class_feature_sums, feature_statistics
+
+CFG = FedPACConfig(local_epochs=1, batch_size=8)
+
+
+def _model_and_data(n=24, seed=0):
+    torch.manual_seed(seed)
+    model = FedPACNet(1, 28, 10)
+    x = torch.randn(n, 1, 28, 28)
+    y = torch.arange(n) % 4
+    return model, x, y
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _changed(before, module):
+    return [not torch.equal(b, a) for b, a in zip(before, module.parameters())]
+
+
+def test_alignment_gradient_reaches_extractor_and_not_head():
+    model, x, y = _model_and_data()
+    centroids = torch.randn(10, 128)
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[:2] = True  # classes 2 and 3 have no centroid yet
+    features = model.extractor(x)
+    alignment_loss(features, y, centroids, mask).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.extractor.parameters())
+    assert all(p.grad is None for p in model.head.parameters())
+    assert centroids.grad is None
+
+
+def test_alignment_loss_value_and_unaligned_classes():
+    features = torch.tensor([[1.0, 1.0], [3.0, 0.0], [5.0, 5.0]])
+    labels = torch.tensor([0, 1, 2])
+    centroids = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([True, True, False])
+    # (1/B) * [ (1+1)/2 + (4+0)/2 + 0 ]  with B = 3 (class 2 unaligned but counted)
+    assert alignment_loss(features, labels, centroids, mask).item() == torch.tensor(3.0 / 3).item()
+
+
+def test_head_epoch_leaves_extractor_untouched():
+    model, x, y = _model_and_data()
+    extractor_before, head_before = _params(model.extractor), _params(model.head)
+    train_head(model, x, y, CFG, torch.Generator().manual_seed(0))
+    assert not any(_changed(extractor_before, model.extractor))
+    assert all(_changed(head_before, model.head))
+
+
+def test_extractor_epochs_leave_head_untouched_and_use_alignment():
+    model, x, y = _model_and_data()
+    head_before = _params(model.head)
+    centroids = torch.randn(10, 128)
+    mask = torch.ones(10, dtype=torch.bool)
+    _, align = train_extractor(model, x, y, centroids, mask, CFG, torch.Generator().manual_seed(0))
+    assert not any(_changed(head_before, model.head))
+    assert all(p.requires_grad for p in model.head.parameters())  # unfrozen afterwards
+    assert align > 0
+
+
+def test_lambda_changes_the_extractor_update():
+    runs = []
+    for lam in (0.0, 1.0):
+        model, x, y = _model_and_data()
+        cfg = dataclasses.replace(CFG, lambda_align=lam)
+        train_extractor(model, x, y, torch.randn(10, 128, generator=torch.Generator().manual_seed(1)),
+                        torch.ones(10, dtype=torch.bool), cfg, torch.Generator().manual_seed(0))
+        runs.append(_params(model.extractor))
+    assert any(not torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_local_update_statistics_come_from_received_model_and_centroids_from_trained():
+    model, x, y = _model_and_data()
+    expected_before = feature_statistics(class_feature_sums(model.extractor, x, y, 10))
+    update = local_update(model, x, y, torch.zeros(10, 128), torch.zeros(10, dtype=torch.bool), CFG,
+                          torch.Generator().manual_seed(0))
+    assert update.statistics.v == expected_before.v
+    assert torch.equal(update.statistics.h, expected_before.h)
+    after = class_feature_sums(model.extractor, x, y, 10)
+    torch.testing.assert_close(update.centroids, after.class_means().float())
+    assert update.class_counts.tolist() == [6, 6, 6, 6, 0, 0, 0, 0, 0, 0]
+    assert update.statistics.num_samples == len(x)  # n_i in samples, not batches
