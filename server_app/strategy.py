@@ -183,19 +183,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """Extractor average, centroid update, collaboration QPs and head mixing."""
         replies = list(replies)
         assert self.extractor_template is not None and self._record is not None
-        head_template = self.initial_head
-        updates: list[ClientUpdate] = self._unique(
-            [
-                u
-                for u in (
-                    self._accept(
-                        msg, lambda m: parse_train_reply(m, self.extractor_template, head_template)
-                    )
-                    for msg in replies
-                )
-                if u is not None
-            ]
-        )
+        template = self.extractor_template
+
+        def parse(msg: Message) -> ClientUpdate:
+            return parse_train_reply(msg, template, self.initial_head)
+
+        accepted = (self._accept(msg, parse) for msg in replies)
+        updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
         log(INFO, "aggregate_train: %d valid replies of %d", len(updates), len(replies))
         record = self._record
         record.train = {
@@ -243,9 +237,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Unweighted mean of the clients' personalized accuracies; closes the round's record."""
-        evaluations: list[ClientEvaluation] = self._unique(
-            [e for e in (self._accept(m, parse_evaluate_reply) for m in replies) if e is not None]
-        )
+        accepted = (self._accept(msg, parse_evaluate_reply) for msg in replies)
+        evaluations: list[ClientEvaluation] = self._unique([e for e in accepted if e is not None])
         record = self._record
         if record is None:
             return None
