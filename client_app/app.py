@@ -115,6 +115,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalized accuracy: global extractor + this client's combined head, own test split."""
+    started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
     _, _, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device)
     loss, accuracy = evaluate_model(model, x_test, y_test)
@@ -124,6 +125,7 @@ def evaluate(msg: Message, context: Context) -> Message:
             p.NUM_EXAMPLES: len(y_test),
             "accuracy": accuracy,
             "loss": loss,
+            "eval-seconds": time.perf_counter() - started,
         }
     )
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)

@@ -36,6 +36,12 @@ def _batches(num_samples: int, batch_size: int, generator: torch.Generator, devi
     return order.split(batch_size)
 
 
+def _autocast(x: torch.Tensor, cfg: FedPACConfig):
+    """bfloat16 autocast when ``mixed-precision`` is on: no loss scaling needed, and the
+    statistics and centroid passes stay in float32/float64 (they run outside it)."""
+    return torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision)
+
+
 def _sgd(params, lr: float, cfg: FedPACConfig) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
@@ -66,9 +72,10 @@ def train_head(
     total, seen = torch.zeros((), device=x.device), 0
     for _ in range(cfg.head_epochs):
         for idx in _batches(len(x), cfg.batch_size, generator, x.device):
-            with torch.no_grad():  # the extractor is frozen: no graph through it at all
-                features = model.extractor(x[idx])
-            loss = F.cross_entropy(model.head(features), y[idx])
+            with _autocast(x, cfg):
+                with torch.no_grad():  # the extractor is frozen: no graph through it at all
+                    features = model.extractor(x[idx])
+                loss = F.cross_entropy(model.head(features).float(), y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -100,10 +107,12 @@ def train_extractor(  # pylint: disable=too-many-arguments
     try:
         for _ in range(cfg.local_epochs):
             for idx in _batches(len(x), cfg.batch_size, generator, x.device):
-                features = model.extractor(x[idx])
-                loss = F.cross_entropy(model.head(features), y[idx])
+                with _autocast(x, cfg):
+                    features = model.extractor(x[idx])
+                    logits = model.head(features)
+                loss = F.cross_entropy(logits.float(), y[idx])
                 if use_alignment:
-                    align = alignment_loss(features, y[idx], centroids, mask)
+                    align = alignment_loss(features.float(), y[idx], centroids, mask)
                     loss = loss + cfg.lambda_align * align
                     total_align += align.detach() * len(idx)
                 optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from common.collaboration import CollaborationResult, collaboration_weights, mix_heads
 
 
 def weighted_average(
@@ -15,12 +19,14 @@ def weighted_average(
     if (w < 0).any() or w.sum() <= 0:
         raise ValueError("aggregation weights must be non-negative with a positive sum")
     w = w / w.sum()
-    return {
-        key: np.tensordot(w, np.stack([a[key] for a in arrays]).astype(np.float64), axes=1).astype(
-            arrays[0][key].dtype
-        )
-        for key in arrays[0]
-    }
+    averaged = {}
+    for key, first in arrays[0].items():
+        # accumulate client by client: no (m x size) stack, which is GBs at m = 1000
+        total = np.zeros(first.shape, dtype=np.float64)
+        for weight, array in zip(w, arrays):
+            total += weight * array[key]
+        averaged[key] = total.astype(first.dtype)
+    return averaged
 
 
 def aggregate_centroids(
@@ -42,3 +48,39 @@ def aggregate_centroids(
     mask = np.zeros(len(totals), dtype=bool) if previous_mask is None else np.array(previous_mask)
     centroids[present] = summed[present] / totals[present, None]
     return centroids.astype(np.float32), mask | present
+
+
+@dataclass(frozen=True)
+class RoundAggregate:
+    """The server's new state after one round (rows/lists in the order of the inputs)."""
+
+    extractor: dict[str, np.ndarray]
+    centroids: np.ndarray
+    centroid_mask: np.ndarray
+    heads: list[dict[str, np.ndarray]]  # phi^_i per input client
+    collaboration: CollaborationResult
+
+
+def aggregate_round(  # pylint: disable=too-many-arguments
+    extractors: list[dict[str, np.ndarray]],
+    heads: list[dict[str, np.ndarray]],
+    local_centroids: np.ndarray,
+    class_counts: np.ndarray,
+    h: np.ndarray,
+    v: np.ndarray,
+    num_examples: np.ndarray,
+    previous_centroids: np.ndarray | None = None,
+    previous_mask: np.ndarray | None = None,
+    alpha_threshold: float = 1e-3,
+    solver: str = "vectorized",
+) -> RoundAggregate:
+    """One FedPAC server step: eq. 18, eq. 19, and every client's collaboration QP + head mix."""
+    centroids, mask = aggregate_centroids(local_centroids, class_counts, previous_centroids, previous_mask)
+    collaboration = collaboration_weights(h, v, num_examples, alpha_threshold, solver)
+    return RoundAggregate(
+        extractor=weighted_average(extractors, num_examples),
+        centroids=centroids,
+        centroid_mask=mask,
+        heads=mix_heads(heads, collaboration.alpha),
+        collaboration=collaboration,
+    )

@@ -7,7 +7,8 @@ probability simplex minimizing alpha^T P_i alpha, where
 
 and mixes the heads: phi^_i = sum_j alpha_ij phi_j. All inner products come from one Gram
 matrix G = H H^T of the flattened h's: < h_i - h_j , h_i - h_l > = G_ii - G_ij - G_il + G_jl.
-Pure numpy + cvxpy; nothing here knows about Flower.
+The default solver handles all clients at once (``common.simplex_qp``); cvxpy is the reference
+and the fallback. Pure numpy + cvxpy; nothing here knows about Flower.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import cvxpy as cp
 import numpy as np
+
+from common.simplex_qp import solve_simplex_qps
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +36,23 @@ class CollaborationResult:
     """Combination weights (row i = alpha_i over the clients) and each row's solver status."""
 
     alpha: np.ndarray  # (m, m), rows on the simplex
-    status: list[str]  # per row: "optimal", or "fallback: <reason>"
+    status: list[str]  # per row: "optimal" (vectorized), "cvxpy", or "fallback: <reason>"
 
 
-def collaboration_matrices(h: np.ndarray, v: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """All P_i at once from the Gram identity: shape (m, m, m), P[i] = P_i.
-
-    ``h``: (m, K, d) or (m, K*d); ``v``: (m,) the V_j; ``n``: (m,) sample counts n_j.
-    """
+def gram_matrix(h: np.ndarray) -> np.ndarray:
+    """G = H H^T over the flattened h's: every inner product the QPs need, in one product."""
     flat = np.asarray(h, dtype=np.float64).reshape(len(h), -1)
-    gram = flat @ flat.T
-    diag = np.diag(gram)
-    # cross[i, j, l] = G_ii - G_ij - G_il + G_jl
-    cross = diag[:, None, None] - gram[:, :, None] - gram[:, None, :] + gram[None, :, :]
-    return cross + np.diag(np.asarray(v, dtype=np.float64) / np.asarray(n, dtype=np.float64))[None]
+    return flat @ flat.T
+
+
+def variance_terms(v: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The diagonal V_j / n_j of every P_i."""
+    return np.asarray(v, dtype=np.float64) / np.asarray(n, dtype=np.float64)
+
+
+def collaboration_matrix(gram: np.ndarray, variance: np.ndarray, i: int) -> np.ndarray:
+    """P_i from the Gram identity: P_i[j, l] = G_ii - G_ij - G_il + G_jl + delta_jl V_j / n_j."""
+    return gram[i, i] - gram[i][:, None] - gram[i][None, :] + gram + np.diag(variance)
 
 
 def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: int) -> np.ndarray:
@@ -105,21 +111,34 @@ def sparsify(alpha: np.ndarray, threshold: float) -> np.ndarray:
 
 
 def collaboration_weights(
-    h: np.ndarray, v: np.ndarray, n: np.ndarray, threshold: float = 1e-3
+    h: np.ndarray,
+    v: np.ndarray,
+    n: np.ndarray,
+    threshold: float = 1e-3,
+    solver: str = "vectorized",
 ) -> CollaborationResult:
-    """Solve every client's QP. A failed solve falls back to alpha_i = e_i (its own head)."""
+    """Solve every client's QP; row i of the result is alpha_i.
+
+    ``solver="vectorized"`` solves all rows together (``common.simplex_qp``) and hands any row
+    it cannot certify to cvxpy; ``solver="cvxpy"`` solves row by row with cvxpy (the reference).
+    A row no solver can do falls back to alpha_i = e_i (the client keeps its own head).
+    """
     m = len(h)
-    matrices = collaboration_matrices(h, v, n)
+    gram = gram_matrix(h)
+    variance = variance_terms(v, n)
     alpha = np.zeros((m, m))
-    status = []
-    for i in range(m):
+    status = ["cvxpy"] * m
+    if solver == "vectorized" and np.isfinite(gram).all() and np.isfinite(variance).all():
+        batch = solve_simplex_qps(gram + np.diag(variance), gram)
+        for i in np.flatnonzero(batch.converged):
+            alpha[i], status[i] = sparsify(batch.alpha[i], threshold), "optimal"
+    for i in (i for i in range(m) if status[i] == "cvxpy"):
         try:
-            alpha[i] = sparsify(solve_simplex_qp(matrices[i]), threshold)
-            status.append("optimal")
+            alpha[i] = sparsify(solve_simplex_qp(collaboration_matrix(gram, variance, i)), threshold)
         except (RuntimeError, ValueError) as err:
             log.warning("collaboration QP of client row %d failed (%s); it keeps its own head", i, err)
             alpha[i] = np.eye(m)[i]
-            status.append(f"fallback: {err}")
+            status[i] = f"fallback: {err}"
     return CollaborationResult(alpha=alpha, status=status)
 
 
@@ -128,9 +147,11 @@ def qp_objective(p: np.ndarray, alpha: np.ndarray) -> float:
 
 
 def mix_heads(heads: list[dict[str, np.ndarray]], alpha: np.ndarray) -> list[dict[str, np.ndarray]]:
-    """phi^_i = sum_j alpha_ij phi_j for every row i (weight and bias alike)."""
-    stacked = {key: np.stack([head[key] for head in heads]) for key in heads[0]}
-    return [
-        {key: np.tensordot(row, values, axes=1).astype(values.dtype) for key, values in stacked.items()}
-        for row in alpha
-    ]
+    """phi^_i = sum_j alpha_ij phi_j for every row i (weight and bias alike), as one product."""
+    mixed = {}
+    for key in heads[0]:
+        stacked = np.stack([head[key] for head in heads])
+        mixed[key] = (alpha @ stacked.reshape(len(heads), -1).astype(np.float64)).reshape(
+            (len(alpha),) + stacked.shape[1:]
+        ).astype(stacked.dtype)
+    return [{key: values[i] for key, values in mixed.items()} for i in range(len(alpha))]

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
 PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
+QP_SOLVERS = ("vectorized", "cvxpy")
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     lambda_align: float = 1.0
     # Classifier collaboration
     alpha_threshold: float = 1e-3
+    qp_solver: str = "vectorized"
     # Data (Appendix B.2)
     dataset: str = "mnist-5k"
     data_dir: str = ""
@@ -58,6 +60,7 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # Run
     seed: int = 0
     device: str = "auto"
+    mixed_precision: bool = False
     output_dir: str = "outputs"
 
     @staticmethod
@@ -113,6 +116,7 @@ def _validate(cfg: FedPACConfig) -> None:
         value = getattr(cfg, name)
         _check(value >= 0, k(name), value, ">= 0")
     _check(0.0 <= cfg.alpha_threshold < 1.0, k("alpha_threshold"), cfg.alpha_threshold, "in [0, 1)")
+    _check(cfg.qp_solver in QP_SOLVERS, k("qp_solver"), cfg.qp_solver, f"one of {', '.join(QP_SOLVERS)}")
     _check(cfg.dataset in DATASETS, k("dataset"), cfg.dataset, f"one of {', '.join(DATASETS)}")
     _check(
         cfg.dataset != "hf" or bool(cfg.hf_repo or cfg.data_dir),

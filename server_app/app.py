@@ -67,6 +67,7 @@ def main(grid: Grid, context: Context) -> None:
         full_last_round=cfg.full_last_round,
         min_available_nodes=cfg.min_available_clients,
         alpha_threshold=cfg.alpha_threshold,
+        qp_solver=cfg.qp_solver,
         seed=cfg.seed,
         on_round_end=report.add,
     )

@@ -37,6 +37,7 @@ class ClientEvaluation:
     num_examples: int
     accuracy: float
     loss: float
+    seconds: float  # client-side compute of the evaluation
 
 
 def _get(msg: Message, key: str):
@@ -138,4 +139,5 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
         num_examples=int(num_examples),
         accuracy=accuracy,
         loss=_metric(metrics, "loss"),
+        seconds=float(metrics.get("eval-seconds", 0.0)),
     )

@@ -25,7 +25,7 @@ from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-posit
 
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "test_loss", "num_examples", "v",
-    "head_loss", "train_loss", "align_loss", "train_seconds", "bytes_sent", "bytes_received",
+    "head_loss", "train_loss", "align_loss", "train_seconds", "eval_seconds", "bytes_sent", "bytes_received",
     "solver_status",
 )
 ROUND_COLUMNS = (
@@ -47,6 +47,7 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     solver_status: list[str] = field(default_factory=list)
     accuracy: dict[int, float] = field(default_factory=dict)
     test_loss: dict[int, float] = field(default_factory=dict)
+    eval_seconds: dict[int, float] = field(default_factory=dict)
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
     centroid_classes: int = 0
@@ -84,7 +85,7 @@ class RunReport:
     def round_line(self, record: RoundRecord) -> str:
         acc = list(record.accuracy.values())
         losses = [m["train-loss"] for m in record.train.values()]
-        fallbacks = sum(s != "optimal" for s in record.solver_status)
+        fallbacks = sum(s.startswith("fallback") for s in record.solver_status)
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
@@ -109,6 +110,7 @@ class RunReport:
                     "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
                     "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
                     "train_seconds": train.get("train-seconds", ""),
+                    "eval_seconds": r.eval_seconds.get(pid, ""),
                     "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
                     "solver_status": status.get(pid, ""),
                 })
@@ -124,7 +126,7 @@ class RunReport:
                 "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
                 "num_evaluated": len(acc), "num_trained": len(r.train),
                 "mean_train_loss": float(np.mean(losses)) if losses else "",
-                "qp_fallbacks": sum(s != "optimal" for s in r.solver_status),
+                "qp_fallbacks": sum(s.startswith("fallback") for s in r.solver_status),
                 "centroid_classes": r.centroid_classes,
                 "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
                 "seconds": r.seconds,

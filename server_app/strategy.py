@@ -20,8 +20,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import aggregate_centroids, weighted_average
-from common.collaboration import collaboration_weights, mix_heads
+from common.aggregation import aggregate_round
 from server_app.replies import (
     ClientEvaluation,
     ClientUpdate,
@@ -49,6 +48,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         Wait until at least this many nodes are connected before sampling.
     alpha_threshold : float
         Combination weights below this are zeroed (then rows renormalized).
+    qp_solver : str
+        ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
+        ``cvxpy`` (one cvxpy solve per client, the reference).
     seed : int
         Seeds node sampling.
     on_round_end : callable, optional
@@ -65,6 +67,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         full_last_round: bool = True,
         min_available_nodes: int = 2,
         alpha_threshold: float = 1e-3,
+        qp_solver: str = "vectorized",
         seed: int = 0,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
@@ -75,6 +78,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.full_last_round = full_last_round
         self.min_available_nodes = min_available_nodes
         self.alpha_threshold = alpha_threshold
+        self.qp_solver = qp_solver
         self.seed = seed
         self.on_round_end = on_round_end
         # State, every per-client entry keyed by partition-id (node ids change between runs).
@@ -94,7 +98,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
             "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
             self.fraction_evaluate, self.min_available_nodes)
-        log(INFO, "\t└──> Collaboration: weights below %g dropped", self.alpha_threshold)
+        log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
+            self.qp_solver, self.alpha_threshold)
 
     # ------------------------------------------------------------------ sampling / messages
 
@@ -199,23 +204,25 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             log(WARNING, "Round %d: no valid training replies; global state unchanged", server_round)
             return None, None
 
-        extractor = weighted_average([u.extractor for u in updates], [u.num_examples for u in updates])
-        self.centroids, self.centroid_mask = aggregate_centroids(
-            np.stack([u.centroids for u in updates]),
-            np.stack([u.class_counts for u in updates]),
-            self.centroids,
-            self.centroid_mask,
+        # Every input below is listed in the order of `updates` (sorted by partition-id), so
+        # row i of alpha, h_i, V_i, n_i and head i all belong to the same client.
+        result = aggregate_round(
+            extractors=[u.extractor for u in updates],
+            heads=[u.head for u in updates],
+            local_centroids=np.stack([u.centroids for u in updates]),
+            class_counts=np.stack([u.class_counts for u in updates]),
+            h=np.stack([u.h for u in updates]),
+            v=np.array([u.v for u in updates]),
+            num_examples=np.array([u.num_examples for u in updates], dtype=np.float64),
+            previous_centroids=self.centroids,
+            previous_mask=self.centroid_mask,
+            alpha_threshold=self.alpha_threshold,
+            solver=self.qp_solver,
         )
-        collaboration = collaboration_weights(
-            np.stack([u.h for u in updates]),
-            np.array([u.v for u in updates]),
-            np.array([u.num_examples for u in updates], dtype=np.float64),
-            self.alpha_threshold,
-        )
-        # Row i of alpha belongs to updates[i]: updates are sorted by partition-id and the
-        # same list feeds h, V, n and the heads, so reply order cannot mismatch them.
-        for update, head in zip(updates, mix_heads([u.head for u in updates], collaboration.alpha)):
+        self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
+        for update, head in zip(updates, result.heads):
             self.heads[update.partition_id] = head
+        collaboration = result.collaboration
         record.alpha_partitions = [u.partition_id for u in updates]
         record.alpha = collaboration.alpha.tolist()
         record.solver_status = collaboration.status
@@ -223,10 +230,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             {
                 "train-loss": float(np.mean([u.metrics["train-loss"] for u in updates])),
                 "num-replies": len(updates),
-                "qp-fallbacks": sum(s != "optimal" for s in collaboration.status),
+                "qp-fallbacks": sum(s.startswith("fallback") for s in collaboration.status),
             }
         )
-        return p.to_record(extractor), metrics
+        return p.to_record(result.extractor), metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -244,6 +251,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             return None
         record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
         record.test_loss = {e.partition_id: e.loss for e in evaluations}
+        record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
         record.centroid_classes = int(self.centroid_mask.sum())
         record.seconds = time.time() - record.started
         for node_id, pid in self.node_partition.items():

@@ -6,14 +6,23 @@ import numpy as np
 import pytest
 
 from common.collaboration import (
-    collaboration_matrices,
+    collaboration_matrix,
     collaboration_matrix_direct,
     collaboration_weights,
     mix_heads,
     qp_objective,
     solve_simplex_qp,
     sparsify,
+    gram_matrix,
+    variance_terms,
 )
+
+SOLVERS = ["vectorized", "cvxpy"]
+
+
+def collaboration_matrices(h, v, n):
+    gram, variance = gram_matrix(h), variance_terms(v, n)
+    return [collaboration_matrix(gram, variance, i) for i in range(len(h))]
 
 
 def _stats(m, k=3, d=4, seed=0):
@@ -55,29 +64,32 @@ def test_qp_matches_brute_force(m, seed):
         np.testing.assert_allclose(alpha, best, atol=2.0 / steps + 1e-3, err_msg=f"row {i}")
 
 
-def test_identical_clients_weight_by_n_over_v():
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_identical_clients_weight_by_n_over_v(solver):
     # with identical h the cross terms vanish: minimize sum alpha_j^2 V_j / n_j -> alpha ~ n / V
     m = 4
     h = np.repeat(np.random.default_rng(1).normal(size=(1, 3, 4)), m, axis=0)
     v = np.array([1.0, 2.0, 1.0, 4.0])
     n = np.array([100.0, 100.0, 300.0, 200.0])
     expected = (n / v) / (n / v).sum()
-    result = collaboration_weights(h, v, n, threshold=0.0)
+    result = collaboration_weights(h, v, n, threshold=0.0, solver=solver)
     for row, status in zip(result.alpha, result.status):
-        assert status == "optimal"
+        assert status == ("optimal" if solver == "vectorized" else "cvxpy")
         np.testing.assert_allclose(row, expected, atol=1e-6)
 
 
-def test_single_client_keeps_its_own_head():
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_single_client_keeps_its_own_head(solver):
     h, v, n = _stats(1)
-    result = collaboration_weights(h, v, n)
+    result = collaboration_weights(h, v, n, solver=solver)
     np.testing.assert_array_equal(result.alpha, [[1.0]])
 
 
-def test_client_with_an_empty_class():
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_client_with_an_empty_class(solver):
     h, v, n = _stats(3, seed=5)
     h[1, 2] = 0.0  # client 1 has no sample of class 2: p_1,2 = 0 so that row of h_1 is zero
-    result = collaboration_weights(h, v, n, threshold=0.0)
+    result = collaboration_weights(h, v, n, threshold=0.0, solver=solver)
     np.testing.assert_allclose(result.alpha.sum(axis=1), 1.0, atol=1e-9)
     for i, p in enumerate(collaboration_matrices(h, v, n)):
         assert qp_objective(p, result.alpha[i]) <= qp_objective(p, _brute_force(p, 300)) + 1e-9
@@ -97,18 +109,20 @@ def test_slightly_indefinite_p_from_float_noise_is_solved():
     assert qp_objective(noisy, alpha) <= qp_objective(noisy, _brute_force(noisy, 300)) + tolerance
 
 
-def test_tiny_and_huge_scales_give_the_same_weights():
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_tiny_and_huge_scales_give_the_same_weights(solver):
     h, v, n = _stats(3, seed=7)
-    base = collaboration_weights(h, v, n, threshold=0.0).alpha
+    base = collaboration_weights(h, v, n, threshold=0.0, solver=solver).alpha
     for scale in (1e-6, 1e6):
-        scaled = collaboration_weights(h * scale, v * scale**2, n, threshold=0.0).alpha
+        scaled = collaboration_weights(h * scale, v * scale**2, n, threshold=0.0, solver=solver).alpha
         np.testing.assert_allclose(scaled, base, atol=1e-5)
 
 
-def test_failed_solve_falls_back_to_own_head_and_logs(caplog):
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_failed_solve_falls_back_to_own_head_and_logs(caplog, solver):
     h, v, n = _stats(3, seed=8)
     v[1] = np.nan  # poisons every P_i (V_1 / n_1 sits on each diagonal)
-    result = collaboration_weights(h, v, n)
+    result = collaboration_weights(h, v, n, solver=solver)
     np.testing.assert_array_equal(result.alpha, np.eye(3))
     assert all(status.startswith("fallback") for status in result.status)
     assert "keeps its own head" in caplog.text
@@ -130,3 +144,40 @@ def test_mix_heads_combines_weight_and_bias_per_row():
     np.testing.assert_allclose(mixed[1]["head.weight"], 0.25 * 0 + 0.25 * 1 + 0.5 * 2)
     np.testing.assert_allclose(mixed[1]["head.bias"], 0.25 * 10 + 0.5 * 20)
     assert mixed[1]["head.weight"].dtype == np.float32
+
+
+def _clustered(m, k=10, d=32, groups=5, noise=0.05, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(groups, k, d))
+    h = centers[np.arange(m) % groups] + noise * rng.normal(size=(m, k, d))
+    return h, rng.uniform(20, 40, m), np.full(m, 600.0)
+
+
+@pytest.mark.parametrize("kind,m", [("random", 8), ("random", 60), ("clustered", 10), ("clustered", 60)])
+def test_vectorized_solver_matches_cvxpy(kind, m):
+    h, v, n = _stats(m, k=10, d=32, seed=m) if kind == "random" else _clustered(m)
+    fast = collaboration_weights(h, v, n, threshold=0.0, solver="vectorized")
+    reference = collaboration_weights(h, v, n, threshold=0.0, solver="cvxpy")
+    assert fast.status == ["optimal"] * m
+    for i, p in enumerate(collaboration_matrices(h, v, n)):
+        ours, theirs = qp_objective(p, fast.alpha[i]), qp_objective(p, reference.alpha[i])
+        assert ours <= theirs + 1e-6 * abs(theirs)  # the goal: within 1e-6 of cvxpy
+    if kind == "clustered":  # weight stays inside the group
+        groups = np.arange(m) % 5
+        same = groups[:, None] == groups[None, :]
+        assert (fast.alpha * same).sum(axis=1).min() > 0.99
+
+
+def test_vectorized_rows_it_cannot_certify_go_to_cvxpy(monkeypatch):
+    import common.collaboration as collaboration
+    from common.simplex_qp import BatchSolution
+
+    h, v, n = _stats(4, seed=9)
+    monkeypatch.setattr(
+        collaboration, "solve_simplex_qps",
+        lambda q, b: BatchSolution(alpha=np.full((4, 4), 0.25), converged=np.array([1, 0, 1, 1], bool), iterations=1),
+    )
+    result = collaboration_weights(h, v, n, threshold=0.0)
+    assert result.status == ["optimal", "cvxpy", "optimal", "optimal"]
+    expected = collaboration_weights(h, v, n, threshold=0.0, solver="cvxpy").alpha[1]
+    np.testing.assert_allclose(result.alpha[1], expected, atol=1e-6)

@@ -90,3 +90,15 @@ def test_local_update_statistics_come_from_received_model_and_centroids_from_tra
     torch.testing.assert_close(update.centroids, after.class_means().float())
     assert update.class_counts.tolist() == [6, 6, 6, 6, 0, 0, 0, 0, 0, 0]
     assert update.statistics.num_samples == len(x)  # n_i in samples, not batches
+
+
+def test_mixed_precision_trains_and_keeps_float32_weights():
+    model, x, y = _model_and_data()
+    cfg = dataclasses.replace(CFG, mixed_precision=True, local_epochs=2)
+    head_before = _params(model.head)
+    update = local_update(model, x, y, torch.randn(10, 128), torch.ones(10, dtype=torch.bool), cfg,
+                          torch.Generator().manual_seed(0))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(_changed(head_before, model.head))
+    assert torch.isfinite(torch.tensor([update.train_loss, update.head_loss, update.align_loss])).all()
+    assert update.centroids.dtype == torch.float32
