@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 CLIENTS ?= 10
 RUN_CONFIG ?=
+OUTPUT_DIR ?= $(CURDIR)/outputs
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
@@ -21,7 +22,7 @@ install: $(VENV)/.installed
 
 run: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deploy/simulate.sh --clients $(CLIENTS) \
-		--run-config "output-dir='$(CURDIR)/outputs' $(RUN_CONFIG)"
+		--run-config "output-dir='$(OUTPUT_DIR)' $(RUN_CONFIG)"
 
 test: install
 	$(VENV)/bin/python -m pytest

@@ -129,3 +129,24 @@ def evaluate(msg: Message, context: Context) -> Message:
         }
     )
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Pre-flight: load this client's data and report its partition and sizes.
+
+    The server asks every node this before round 1, so a bad data path, too few samples or a
+    missing partition-id stops the run with the client's own message before any training.
+    """
+    cfg = parse_run_config(context.run_config)
+    partition_id, num_partitions = partition_of(context)
+    x, y, x_test, _ = client_tensors(cfg, partition_id, num_partitions, select_device(cfg.device))
+    metrics = MetricRecord(
+        {
+            p.PARTITION_ID: partition_id,
+            "num-partitions": num_partitions,
+            p.NUM_EXAMPLES: len(y),
+            "test-examples": len(x_test),
+        }
+    )
+    return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)

@@ -30,6 +30,8 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     fraction_train: float = 1.0
     full_last_round: bool = True
     min_available_clients: int = 2
+    min_train_replies: int = 1
+    max_failed_rounds: int = 3
     fraction_evaluate: float = 1.0
     round_timeout: float = 3600.0
     # Local update (Section 4; Appendix B.3 of the paper)
@@ -62,6 +64,7 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     device: str = "auto"
     mixed_precision: bool = False
     output_dir: str = "outputs"
+    resume_from: str = ""
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -104,6 +107,8 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(
         cfg.min_available_clients >= 1, k("min_available_clients"), cfg.min_available_clients, ">= 1"
     )
+    _check(cfg.min_train_replies >= 1, k("min_train_replies"), cfg.min_train_replies, ">= 1")
+    _check(cfg.max_failed_rounds >= 0, k("max_failed_rounds"), cfg.max_failed_rounds, ">= 0")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
     _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
     _check(cfg.head_epochs >= 0, k("head_epochs"), cfg.head_epochs, ">= 0")

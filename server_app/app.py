@@ -1,4 +1,4 @@
-"""FedPAC ServerApp: validates the run config, runs the strategy, writes the outputs."""
+"""FedPAC ServerApp: validates the run config, runs the strategy, writes outputs and checkpoints."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from common import protocol as p
-from common.config import FedPACConfig, parse_run_config
+from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
-from server_app.report import RunReport
+from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from server_app.report import RoundRecord, RunReport
 from server_app.strategy import FedPAC
 
 app = ServerApp()
@@ -36,9 +37,13 @@ def run_directory(cfg: FedPACConfig, run_id: int) -> Path:
     return root / f"{time.strftime('%Y%m%d-%H%M%S')}-run{run_id}"
 
 
-def save_final_state(strategy: FedPAC, extractor: ArrayRecord, path: Path) -> None:
+def model_shape(cfg: FedPACConfig) -> tuple[int, int, int]:
+    return (cfg.num_classes, cfg.image_size, cfg.image_channels)
+
+
+def save_final_state(strategy: FedPAC, path: Path) -> None:
     """Global extractor, centroids and every personalized head, in one .npz."""
-    arrays = {f"extractor/{k}": v for k, v in p.from_record(extractor).items()}
+    arrays = {f"extractor/{k}": v for k, v in (strategy.extractor or {}).items()}
     arrays["centroids"] = strategy.centroids
     arrays["centroid_mask"] = strategy.centroid_mask
     for pid, head in sorted(strategy.heads.items()):
@@ -48,14 +53,26 @@ def save_final_state(strategy: FedPAC, extractor: ArrayRecord, path: Path) -> No
     os.replace(tmp, path)
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run FedPAC for ``num-server-rounds`` rounds."""
-    cfg = parse_run_config(context.run_config)  # fails before any training on a bad value
-    model = initial_model(cfg)
-    extractor, head = split_state({k: v.numpy() for k, v in model.state_dict().items()})
+def _resume(cfg: FedPACConfig) -> Checkpoint | None:
+    if not cfg.resume_from:
+        return None
+    checkpoint = load_checkpoint(cfg.resume_from)
+    if checkpoint.model_shape != model_shape(cfg):
+        raise ConfigError(
+            f"run config 'resume-from': checkpoint is for model shape {checkpoint.model_shape} "
+            f"(classes, size, channels), this run has {model_shape(cfg)}"
+        )
+    if checkpoint.seed != cfg.seed:
+        raise ConfigError(f"run config 'resume-from': checkpoint has seed {checkpoint.seed}, this run {cfg.seed}")
+    return checkpoint
+
+
+def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
+    """Run (or resume) FedPAC until ``num-server-rounds`` rounds are complete."""
+    checkpoint = _resume(cfg)  # fails before any training on a bad checkpoint
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
     groups = len(dominant_class_groups(cfg.num_classes))
-    directory = run_directory(cfg, context.run_id)
+    directory = run_directory(cfg, run_id)
     report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg))
     log(INFO, "FedPAC outputs: %s", directory)
 
@@ -68,15 +85,51 @@ def main(grid: Grid, context: Context) -> None:
         min_available_nodes=cfg.min_available_clients,
         alpha_threshold=cfg.alpha_threshold,
         qp_solver=cfg.qp_solver,
+        min_train_replies=cfg.min_train_replies,
+        max_failed_rounds=cfg.max_failed_rounds,
         seed=cfg.seed,
-        on_round_end=report.add,
     )
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=p.to_record(extractor),
-        num_rounds=cfg.num_server_rounds,
-        timeout=cfg.round_timeout,
-    )
-    save_final_state(strategy, result.arrays or p.to_record(extractor), directory / "final_state.npz")
+    if checkpoint is not None:
+        strategy.restore(checkpoint)
+        extractor = checkpoint.extractor
+        report.rounds = list(checkpoint.rounds)
+        log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
+
+    def end_of_round(record: RoundRecord) -> None:
+        report.add(record)
+        save_checkpoint(
+            Checkpoint(
+                completed_rounds=record.round,
+                extractor=strategy.extractor or extractor,
+                centroids=strategy.centroids,
+                centroid_mask=strategy.centroid_mask,
+                heads=strategy.heads,
+                rounds=report.rounds,
+                model_shape=model_shape(cfg),
+                seed=cfg.seed,
+            ),
+            directory,
+        )
+
+    strategy.on_round_end = end_of_round
+    strategy.discover(grid, timeout=cfg.round_timeout)
+    remaining = cfg.num_server_rounds - strategy.round_offset
+    if remaining > 0:
+        strategy.start(
+            grid=grid, initial_arrays=p.to_record(extractor), num_rounds=remaining, timeout=cfg.round_timeout
+        )
+    else:
+        log(INFO, "Checkpoint already has %d rounds: nothing to train", strategy.round_offset)
+    if strategy.extractor is None:
+        strategy.extractor = extractor
+    save_final_state(strategy, directory / "final_state.npz")
+    return strategy, report
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run FedPAC for ``num-server-rounds`` rounds."""
+    cfg = parse_run_config(context.run_config)  # fails before any training on a bad value
+    _, report = run_fedpac(grid, cfg, context.run_id)
     log(INFO, "FedPAC finished: final mean personalized accuracy %.2f%%; outputs in %s",
-        100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), directory)
+        100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), report.directory)

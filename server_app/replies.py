@@ -40,6 +40,26 @@ class ClientEvaluation:
     seconds: float  # client-side compute of the evaluation
 
 
+MAX_METRICS = 32
+TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS})
+EVALUATE_RECORDS = frozenset({p.METRICS})
+
+
+def _check_shape_of_reply(msg: Message, allowed: frozenset[str]) -> None:
+    """Only the records FedPAC defines, and scalar metrics: this bounds a reply's size, since
+    every array is also checked against its expected shape."""
+    unexpected = sorted(set(msg.content) - allowed)
+    if unexpected:
+        raise InvalidReply(f"unexpected record(s) {unexpected}")
+    metrics = msg.content.get(p.METRICS)
+    if metrics is not None:
+        if len(metrics) > MAX_METRICS:
+            raise InvalidReply(f"{len(metrics)} metrics (at most {MAX_METRICS})")
+        lists = sorted(k for k, v in metrics.items() if isinstance(v, list))
+        if lists:
+            raise InvalidReply(f"metrics {lists} are lists, expected scalars")
+
+
 def _get(msg: Message, key: str):
     if key not in msg.content:
         raise InvalidReply(f"missing record '{key}'")
@@ -82,6 +102,7 @@ def parse_train_reply(
     """Decode a training reply, checking shapes, finiteness and count consistency."""
     if msg.has_error():
         raise InvalidReply(f"client error: {msg.error.reason}")
+    _check_shape_of_reply(msg, TRAIN_RECORDS)
     metrics = _get(msg, p.METRICS)
     partition_id = _partition_id(metrics, num_partitions)
     arrays = p.from_record(_get(msg, p.ARRAYS))
@@ -92,6 +113,9 @@ def parse_train_reply(
     stats = p.from_record(_get(msg, p.STATISTICS))
     num_classes, dim = head_template["head.weight"].shape
     expected = {p.CENTROID_VALUES: (num_classes, dim), p.CLASS_COUNTS: (num_classes,), p.H: (num_classes, dim)}
+    extra = sorted(set(stats) - set(expected))
+    if extra:
+        raise InvalidReply(f"statistics hold unexpected arrays {extra}")
     for key, shape in expected.items():
         if key not in stats:
             raise InvalidReply(f"statistics lack '{key}'")
@@ -126,6 +150,7 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
     """Decode an evaluation reply."""
     if msg.has_error():
         raise InvalidReply(f"client error: {msg.error.reason}")
+    _check_shape_of_reply(msg, EVALUATE_RECORDS)
     metrics = _get(msg, p.METRICS)
     accuracy = _metric(metrics, "accuracy")
     if not 0.0 <= accuracy <= 1.0:

@@ -28,7 +28,12 @@ from server_app.replies import (
     parse_evaluate_reply,
     parse_train_reply,
 )
+from server_app.checkpoint import Checkpoint
 from server_app.report import RoundRecord
+
+
+class FederationStalled(RuntimeError):
+    """Too many rounds in a row without enough valid replies: the run stops."""
 
 
 class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
@@ -48,6 +53,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         Wait until at least this many nodes are connected before sampling.
     alpha_threshold : float
         Combination weights below this are zeroed (then rows renormalized).
+    min_train_replies : int
+        A round aggregates only with at least this many valid training replies; otherwise the
+        global state stays as it is and the next round tries again.
+    max_failed_rounds : int
+        After this many such rounds in a row the run stops with a clear message.
     qp_solver : str
         ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
         ``cvxpy`` (one cvxpy solve per client, the reference).
@@ -68,6 +78,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         min_available_nodes: int = 2,
         alpha_threshold: float = 1e-3,
         qp_solver: str = "vectorized",
+        min_train_replies: int = 1,
+        max_failed_rounds: int = 3,
         seed: int = 0,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
@@ -79,6 +91,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.min_available_nodes = min_available_nodes
         self.alpha_threshold = alpha_threshold
         self.qp_solver = qp_solver
+        self.min_train_replies = min_train_replies
+        self.max_failed_rounds = max_failed_rounds
+        self.failed_rounds = 0  # consecutive rounds without enough valid replies
         self.seed = seed
         self.on_round_end = on_round_end
         # State, every per-client entry keyed by partition-id (node ids change between runs).
@@ -87,7 +102,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
         self.node_partition: dict[int, int] = {}
+        self.num_partitions: int | None = None  # as the clients report it at discovery
+        self.discovery_timeout: float | None = None  # set once discover() has run
         self.extractor_template: p.NDArrays | None = None
+        self.extractor: p.NDArrays | None = None  # the latest aggregated extractor
+        # Rounds finished before this strategy started (a resumed run): Flower's loop counts
+        # from 1, sampling and seeds use the run's absolute round number.
+        self.round_offset = 0
         self._record: RoundRecord | None = None
         # Payload bytes per node this round, both phases (train + evaluate).
         self._bytes_sent: dict[int, int] = {}
@@ -101,18 +122,78 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
             self.qp_solver, self.alpha_threshold)
 
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue from a checkpoint: its heads, centroids and round count."""
+        self.heads = {pid: dict(head) for pid, head in checkpoint.heads.items()}
+        self.centroids = checkpoint.centroids.astype(np.float32)
+        self.centroid_mask = checkpoint.centroid_mask.astype(bool)
+        self.extractor = dict(checkpoint.extractor)
+        self.round_offset = checkpoint.completed_rounds
+
     # ------------------------------------------------------------------ sampling / messages
 
-    def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
-        while len(nodes := sorted(grid.get_node_ids())) < self.min_available_nodes:
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
             log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
             time.sleep(1)
+        # Ordered by partition-id where known: node ids are random per run, partition-ids are
+        # not, so the same seed samples the same clients in every run (and after a resume).
+        return sorted(nodes, key=lambda n: (n not in self.node_partition, self.node_partition.get(n, 0), n))
+
+    def discover(self, grid: Grid, timeout: float, strict: bool = True) -> dict[int, int]:
+        """Ask connected nodes of unknown partition for it (a query message).
+
+        Before round 1 (``strict``): learns every node's partition-id, and a client that cannot
+        load its data becomes a clear error before any training. During the run: a node that
+        joined late or restarted (new node id) is identified before it is sent anything, so it
+        gets its own personalized head back; problems are logged and the node is left out.
+        """
+        nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
+        if not nodes:
+            return dict(self.node_partition)
+        self.discovery_timeout = timeout
+        messages = [
+            Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
+                    message_type=MessageType.QUERY, dst_node_id=node)
+            for node in nodes
+        ]
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        problems = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                problems.append(f"node {node}: {reply.error.reason}")
+                continue
+            metrics = reply.content[p.METRICS]
+            pid = int(metrics[p.PARTITION_ID])
+            owner = {part: n for n, part in self.node_partition.items()}.get(pid)
+            if owner is not None and strict:
+                problems.append(f"node {node}: partition-id {pid} is already taken by node {owner}")
+                continue
+            if owner is not None:  # a restarted SuperNode: the partition moves to its new id
+                log(WARNING, "partition-id %d moved from node %d to node %d", pid, owner, node)
+                del self.node_partition[owner]
+            self.node_partition[node] = pid
+            self.num_partitions = max(self.num_partitions or 0, int(metrics["num-partitions"]))
+            log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, pid,
+                int(metrics["num-partitions"]), int(metrics[p.NUM_EXAMPLES]), int(metrics["test-examples"]))
+        missing = len(nodes) - len(replies)
+        if missing:
+            problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
+        if problems and strict:
+            raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
+        for problem in problems:
+            log(WARNING, "discovery: %s", problem)
+        return dict(self.node_partition)
+
+    def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
+        nodes = self._wait_for_nodes(grid)
         if full:
             return nodes
         size = max(1, int(round(fraction * len(nodes))))
         rng = np.random.default_rng([self.seed, server_round])
         # Choose positions, not ids: node ids are uint64 and numpy would turn them into floats.
-        return sorted(nodes[i] for i in rng.choice(len(nodes), size=size, replace=False))
+        return [nodes[i] for i in sorted(rng.choice(len(nodes), size=size, replace=False))]
 
     def head_of(self, node_id: int) -> p.NDArrays:
         """The personalized head phi^_i of the client on ``node_id`` (initial if it never trained)."""
@@ -143,11 +224,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send each sampled node the global extractor, the centroids and its own head."""
+        server_round += self.round_offset
         full = self.full_last_round and server_round == self.num_rounds
+        if self.discovery_timeout is not None:  # identify nodes that joined since
+            self.discover(grid, self.discovery_timeout, strict=False)
         node_ids = self._sample(grid, self.fraction_train, server_round, full)
         log(INFO, "configure_train: %d nodes%s", len(node_ids), " (all: last round)" if full else "")
         extractor = p.from_record(arrays)
         self.extractor_template = extractor
+        if self.extractor is None:
+            self.extractor = extractor
         self._record = RoundRecord(round=server_round, started=time.time())
         self._bytes_sent, self._bytes_received = {}, {}
         return self._messages(node_ids, extractor, MessageType.TRAIN, server_round)
@@ -162,7 +248,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         try:
             parsed = parse(msg)
         except InvalidReply as err:
-            log(WARNING, "Rejected reply from node %d: %s", node_id, err)
+            claimed = self.node_partition.get(node_id, "unknown")
+            log(WARNING, "Rejected reply from node %d (partition %s): %s", node_id, claimed, err)
+            return None
+        registered = self.node_partition.get(node_id)
+        if registered is not None and registered != parsed.partition_id:
+            log(WARNING, "Rejected reply from node %d (partition %d): it claims partition %d",
+                node_id, registered, parsed.partition_id)
             return None
         previous = {pid: node for node, pid in self.node_partition.items()}.get(parsed.partition_id)
         if previous is not None and previous != node_id:
@@ -186,12 +278,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Extractor average, centroid update, collaboration QPs and head mixing."""
+        server_round += self.round_offset
         replies = list(replies)
         assert self.extractor_template is not None and self._record is not None
         template = self.extractor_template
 
         def parse(msg: Message) -> ClientUpdate:
-            return parse_train_reply(msg, template, self.initial_head)
+            return parse_train_reply(msg, template, self.initial_head, self.num_partitions)
 
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
@@ -200,9 +293,20 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         record.train = {
             u.partition_id: {k: v for k, v in u.metrics.items() if k != p.PARTITION_ID} for u in updates
         }
-        if not updates:
-            log(WARNING, "Round %d: no valid training replies; global state unchanged", server_round)
+        if len(updates) < self.min_train_replies:
+            self.failed_rounds += 1
+            message = (f"Round {server_round}: {len(updates)} valid training replies, fewer than "
+                       f"min-train-replies = {self.min_train_replies}")
+            if self.failed_rounds > self.max_failed_rounds:
+                raise FederationStalled(
+                    f"{message}; {self.failed_rounds} rounds in a row without enough replies "
+                    f"(max-failed-rounds = {self.max_failed_rounds}): stopping. The outputs and the "
+                    "checkpoint of the last complete round are kept; resume with resume-from."
+                )
+            log(WARNING, "%s; global state unchanged, the next round tries again (%d/%d)",
+                message, self.failed_rounds, self.max_failed_rounds)
             return None, None
+        self.failed_rounds = 0
 
         # Every input below is listed in the order of `updates` (sorted by partition-id), so
         # row i of alpha, h_i, V_i, n_i and head i all belong to the same client.
@@ -220,6 +324,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             solver=self.qp_solver,
         )
         self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
+        self.extractor = result.extractor
         for update, head in zip(updates, result.heads):
             self.heads[update.partition_id] = head
         collaboration = result.collaboration
@@ -239,12 +344,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send every sampled node the new global extractor and its own combined head."""
+        server_round += self.round_offset
         node_ids = self._sample(grid, self.fraction_evaluate, server_round, self.fraction_evaluate >= 1.0)
         return self._messages(node_ids, p.from_record(arrays), MessageType.EVALUATE, server_round)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Unweighted mean of the clients' personalized accuracies; closes the round's record."""
-        accepted = (self._accept(msg, parse_evaluate_reply) for msg in replies)
+        server_round += self.round_offset
+        accepted = (
+            self._accept(msg, lambda m: parse_evaluate_reply(m, self.num_partitions)) for msg in replies
+        )
         evaluations: list[ClientEvaluation] = self._unique([e for e in accepted if e is not None])
         record = self._record
         if record is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as client_app
@@ -35,6 +35,7 @@ class InProcessGrid:
         seed: int = 0,
         shuffle_replies: bool = False,
         tamper: Callable[[Message, int], Message | None] | None = None,
+        crash_at_round: int | None = None,
     ) -> None:
         rng = random.Random(seed)
         self.partition_of_node: dict[int, int] = {}
@@ -52,6 +53,8 @@ class InProcessGrid:
         self.rng = rng
         self.shuffle_replies = shuffle_replies
         self.tamper = tamper
+        self.crash_at_round = crash_at_round
+        self.train_rounds = 0
         self.sent: list[Message] = []
 
     def get_node_ids(self) -> Iterable[int]:
@@ -66,6 +69,10 @@ class InProcessGrid:
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         messages = list(messages)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
+            self.train_rounds += 1
+            if self.train_rounds == self.crash_at_round:
+                raise RuntimeError(f"simulated server crash in round {self.crash_at_round}")
         self.sent.extend(messages)
         replies = [self._deliver(m) for m in messages]
         if self.tamper is not None:

@@ -133,3 +133,52 @@ def test_a_round_without_valid_replies_keeps_the_global_state():
     _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
     assert new_arrays is None and metrics is None
     assert not strategy.heads and not strategy.centroid_mask.any()
+
+
+def test_too_few_replies_skip_the_round_then_stop_the_run_cleanly(tmp_path, caplog):
+    from server_app.app import run_fedpac
+    from server_app.strategy import FederationStalled
+
+    def fail_two_clients(reply, pid):
+        # partitions 0 and 1 fail from round 2 on: their train replies become errors
+        if pid < 2 and reply.metadata.message_type == "train" and grid.train_rounds >= 2:
+            return None
+        return reply
+
+    config = {**RUN_CONFIG, "num-server-rounds": 6, "min-train-replies": 3, "max-failed-rounds": 2,
+              "output-dir": str(tmp_path)}
+    grid = InProcessGrid(config, 4, tamper=fail_two_clients)
+    with caplog.at_level(logging.WARNING), pytest.raises(FederationStalled, match="max-failed-rounds = 2"):
+        run_fedpac(grid, parse_run_config(config), 1)
+    assert "fewer than min-train-replies = 3" in caplog.text
+    assert grid.train_rounds == 4  # round 1 fine, rounds 2-3 skipped and retried, round 4 stops
+    (run_dir,) = tmp_path.iterdir()
+    from server_app.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(run_dir)  # the outputs of finished rounds are kept
+    assert checkpoint.completed_rounds == 3
+    assert len(list(csv_rows(run_dir / "rounds.csv"))) == 3
+
+
+def csv_rows(path):
+    import csv
+
+    return csv.DictReader(path.open())
+
+
+def test_a_restarted_supernode_gets_its_own_head_back():
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 3)
+    strategy.discover(grid, timeout=60)
+    _, _, (arrays, _) = _train_round(strategy, grid, arrays, 1)
+    # the SuperNode of partition 2 restarts: same partition, new node id
+    old = next(n for n, pid in grid.partition_of_node.items() if pid == 2)
+    context = grid.contexts.pop(old)
+    del grid.partition_of_node[old]
+    grid.contexts[12345] = context
+    grid.partition_of_node[12345] = 2
+    messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    sent = next(p.from_record(m.content[p.ARRAYS]) for m in messages if m.metadata.dst_node_id == 12345)
+    np.testing.assert_array_equal(sent["head.weight"], strategy.heads[2]["head.weight"])
+    assert strategy.node_partition.get(12345) == 2 and old not in strategy.node_partition

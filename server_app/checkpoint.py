@@ -1,0 +1,106 @@
+"""Server checkpoints: everything needed to continue a FedPAC run after a stop or a crash.
+
+One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename) after every
+round: the global extractor, the global centroids and mask, every client's personalized head
+(by partition-id), the number of finished rounds, and the per-round records so far. Node
+sampling and local shuffling are seeded by (seed, round, partition-id), so no random generator
+state needs saving: a resumed run continues exactly where the stopped one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common import protocol as p
+from server_app.report import RoundRecord
+
+FILE_NAME = "checkpoint.npz"
+FORMAT_VERSION = 1
+# RoundRecord fields whose keys are partition-ids (JSON turns them into strings).
+_KEYED_BY_PARTITION = ("train", "accuracy", "test_loss", "eval_seconds", "bytes_sent", "bytes_received")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or belongs to an incompatible run."""
+
+
+@dataclass
+class Checkpoint:
+    """The server's state after ``completed_rounds`` rounds."""
+
+    completed_rounds: int
+    extractor: p.NDArrays
+    centroids: np.ndarray
+    centroid_mask: np.ndarray
+    heads: dict[int, p.NDArrays]
+    rounds: list[RoundRecord]
+    model_shape: tuple[int, int, int]  # (num_classes, image_size, image_channels)
+    seed: int
+
+
+def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
+    """Write ``directory/checkpoint.npz`` atomically; returns its path."""
+    arrays = {f"extractor/{k}": v for k, v in checkpoint.extractor.items()}
+    arrays["centroids"] = checkpoint.centroids
+    arrays["centroid_mask"] = checkpoint.centroid_mask
+    for pid, head in checkpoint.heads.items():
+        arrays.update({f"head/{pid}/{k}": v for k, v in head.items()})
+    meta = {
+        "format": FORMAT_VERSION,
+        "completed_rounds": checkpoint.completed_rounds,
+        "model_shape": list(checkpoint.model_shape),
+        "seed": checkpoint.seed,
+        "rounds": [asdict(r) for r in checkpoint.rounds],
+    }
+    arrays["meta"] = np.array(json.dumps(meta))
+    path = directory / FILE_NAME
+    tmp = directory / f".{FILE_NAME}.tmp.npz"
+    with open(tmp, "wb") as stream:
+        np.savez(stream, **arrays)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _record(data: dict) -> RoundRecord:
+    for name in _KEYED_BY_PARTITION:
+        data[name] = {int(k): v for k, v in data[name].items()}
+    return RoundRecord(**data)
+
+
+def load_checkpoint(location: str | Path) -> Checkpoint:
+    """Read a checkpoint from its file or from the run folder that holds it."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        path = path / FILE_NAME
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+        meta = json.loads(str(arrays.pop("meta")))
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT_VERSION}")
+    heads: dict[int, p.NDArrays] = {}
+    for name, value in arrays.items():
+        if name.startswith("head/"):
+            _, pid, key = name.split("/", 2)
+            heads.setdefault(int(pid), {})[key] = value
+    return Checkpoint(
+        completed_rounds=int(meta["completed_rounds"]),
+        extractor={k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")},
+        centroids=arrays["centroids"],
+        centroid_mask=arrays["centroid_mask"].astype(bool),
+        heads=heads,
+        rounds=[_record(r) for r in meta["rounds"]],
+        model_shape=tuple(meta["model_shape"]),
+        seed=int(meta["seed"]),
+    )

@@ -1,0 +1,136 @@
+"""Every kind of bad reply is rejected with a logged reason; the rest of the round proceeds
+and nothing from the bad reply reaches the global state."""
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, MessageType
+
+from common import protocol as p
+from common.config import parse_run_config
+from federation import InProcessGrid
+from server_app.app import initial_model
+from server_app.strategy import FedPAC
+from common.model import split_state
+
+RUN_CONFIG = {"samples-per-client": 60, "test-samples-per-client": 30, "local-epochs": 1, "batch-size": 20}
+BAD = 1  # the partition whose reply is tampered with
+
+
+def _set_array(record_key, key, change):
+    def tamper(reply):
+        arrays = p.from_record(reply.content[record_key])
+        arrays[key] = change(arrays[key].copy())
+        reply.content[record_key] = p.to_record(arrays)
+    return tamper
+
+
+def _set_metric(key, value):
+    def tamper(reply):
+        reply.content[p.METRICS][key] = value
+    return tamper
+
+
+def _nan(a):
+    a.flat[0] = np.nan
+    return a
+
+
+def _inf(a):
+    a.flat[-1] = np.inf
+    return a
+
+
+def _add_record(reply):
+    reply.content["extra"] = ArrayRecord(array_dict={"blob": p.to_record({"x": np.zeros(10**6)})["x"]})
+
+
+CASES = {
+    "nan in extractor weights": (_set_array(p.ARRAYS, "extractor.0.weight", _nan), "NaN or Inf"),
+    "inf in head bias": (_set_array(p.ARRAYS, "head.bias", _inf), "NaN or Inf"),
+    "nan in h": (_set_array(p.STATISTICS, p.H, _nan), "NaN or Inf"),
+    "inf in centroids": (_set_array(p.STATISTICS, p.CENTROID_VALUES, _inf), "NaN or Inf"),
+    "nan V": (_set_metric(p.V, float("nan")), "not a finite number"),
+    "wrong extractor shape": (_set_array(p.ARRAYS, "extractor.0.weight", lambda a: a[:8]), "shape"),
+    "wrong number of classes in the head": (_set_array(p.ARRAYS, "head.weight", lambda a: a[:7]), "shape"),
+    "wrong number of classes in h": (_set_array(p.STATISTICS, p.H, lambda a: a[:7]), "shape"),
+    "wrong number of classes in the counts": (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a[:7]), "shape"),
+    "negative counts": (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a - a.max()), "non-negative"),
+    "counts inconsistent with n": (_set_metric(p.NUM_EXAMPLES, 7), "equal the class counts"),
+    "n = 0": (lambda r: (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a * 0)(r),
+                         _set_metric(p.NUM_EXAMPLES, 0)(r)), "must be positive"),
+    "negative V": (_set_metric(p.V, -1.0), "negative"),
+    "partition-id out of range": (_set_metric(p.PARTITION_ID, 7), "not a valid partition"),
+    "partition-id of another client": (_set_metric(p.PARTITION_ID, 0), "it claims partition 0"),
+    "oversized: an extra record": (_add_record, "unexpected record"),
+    "oversized: a huge metric list": (_set_metric("padding", [0.0] * 100_000), "lists"),
+    "missing statistics": (lambda r: r.content.pop(p.STATISTICS), "missing record"),
+}
+
+
+def _setup():
+    cfg = parse_run_config(RUN_CONFIG)
+    model = initial_model(cfg)
+    extractor, head = split_state({k: v.numpy() for k, v in model.state_dict().items()})
+    return FedPAC(initial_head=head, num_rounds=3), p.to_record(extractor)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_reply_is_rejected_and_logged(case, caplog):
+    tamper, reason = CASES[case]
+
+    def tampering(reply, pid):
+        if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
+            tamper(reply)
+        return reply
+
+    strategy, arrays = _setup()
+    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)
+    strategy.discover(grid, timeout=60)
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    with caplog.at_level(logging.WARNING):
+        new_arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert reason in caplog.text
+    bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == BAD)
+    assert f"Rejected reply from node {bad_node}" in caplog.text
+    survivors = {0, 2, 3}
+    assert set(strategy.heads) == survivors  # the rest of the round went on
+    assert metrics["num-replies"] == len(survivors)
+    extractor = p.from_record(new_arrays)
+    assert all(np.isfinite(v).all() for v in extractor.values())
+    assert np.isfinite(strategy.centroids).all()
+
+
+def test_an_evaluation_reply_with_impossible_accuracy_is_rejected(caplog):
+    strategy, arrays = _setup()
+
+    def tampering(reply, pid):
+        if pid == BAD and reply.content[p.METRICS].get("accuracy") is not None:
+            reply.content[p.METRICS]["accuracy"] = 3.0
+        return reply
+
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
+    strategy.discover(grid, timeout=60)
+    strategy.configure_train(1, arrays, ConfigRecord(), grid)
+    messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
+    with caplog.at_level(logging.WARNING):
+        metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(messages))
+    assert "outside [0, 1]" in caplog.text
+    assert metrics["num-clients"] == 2
+
+
+def test_two_unregistered_nodes_claiming_one_partition_in_a_round_are_both_rejected(caplog):
+    strategy, arrays = _setup()
+
+    def tampering(reply, pid):
+        if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
+            reply.content[p.METRICS][p.PARTITION_ID] = 0
+        return reply
+
+    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)  # no discovery: nodes are unknown
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    with caplog.at_level(logging.WARNING):
+        _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert "claiming partition-id 0: claimed twice" in caplog.text
+    assert set(strategy.heads) == {2, 3} and metrics["num-replies"] == 2

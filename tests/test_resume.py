@@ -1,0 +1,73 @@
+"""Checkpoints after every round; a crashed run resumes to the same final model."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError, parse_run_config
+from federation import InProcessGrid
+from server_app.app import run_fedpac
+from server_app.checkpoint import CheckpointError, load_checkpoint
+
+BASE = {
+    "samples-per-client": 60,
+    "test-samples-per-client": 30,
+    "local-epochs": 1,
+    "batch-size": 20,
+    "num-server-rounds": 4,
+    "fraction-train": 0.5,  # partial participation: sampling must also resume exactly
+}
+
+
+def _run(run_config, grid_seed, crash_at_round=None, run_id=1):
+    cfg = parse_run_config(run_config)
+    grid = InProcessGrid(run_config, 6, seed=grid_seed, crash_at_round=crash_at_round)
+    return run_fedpac(grid, cfg, run_id)
+
+
+def test_resumed_run_gives_the_same_final_model_as_an_uninterrupted_one(tmp_path):
+    full, full_report = _run({**BASE, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
+
+    crashed_config = {**BASE, "output-dir": str(tmp_path / "crashed")}
+    with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
+        _run(crashed_config, grid_seed=2, crash_at_round=3, run_id=2)  # other node ids, too
+    (crashed_dir,) = (tmp_path / "crashed").iterdir()
+    checkpoint = load_checkpoint(crashed_dir)
+    assert checkpoint.completed_rounds == 2 and len(checkpoint.rounds) == 2
+    assert len(json.loads((crashed_dir / "metrics.json").read_text())["rounds"]) == 2
+
+    resumed, report = _run(
+        {**BASE, "output-dir": str(tmp_path / "resumed"), "resume-from": str(crashed_dir)}, grid_seed=3, run_id=3
+    )
+    assert [r.round for r in report.rounds] == [1, 2, 3, 4]
+    assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
+    for key, value in full.extractor.items():
+        np.testing.assert_array_equal(resumed.extractor[key], value)
+    assert sorted(resumed.heads) == sorted(full.heads)
+    for pid, head in full.heads.items():
+        for key, value in head.items():
+            np.testing.assert_array_equal(resumed.heads[pid][key], value)
+    np.testing.assert_array_equal(resumed.centroids, full.centroids)
+    assert (crashed_dir / "checkpoint.npz").exists()  # the earlier run's files are untouched
+
+
+def test_resume_refuses_a_missing_or_incompatible_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        _run({**BASE, "output-dir": str(tmp_path), "resume-from": str(tmp_path / "nothing")}, grid_seed=1)
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    with pytest.raises(ConfigError, match="seed"):
+        _run({**BASE, "seed": 5, "output-dir": str(tmp_path / "b"), "resume-from": str(run_dir)}, grid_seed=1)
+    (run_dir / "checkpoint.npz").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        _run({**BASE, "output-dir": str(tmp_path / "c"), "resume-from": str(run_dir)}, grid_seed=1)
+
+
+def test_clients_that_cannot_load_their_data_stop_the_run_before_training(tmp_path):
+    config = {**BASE, "dataset": "mnist", "data-dir": str(tmp_path / "missing"), "output-dir": str(tmp_path)}
+    cfg = parse_run_config(config)
+    grid = InProcessGrid(config, 3)
+    with pytest.raises(RuntimeError, match="not ready to train(.|\n)*does not exist"):
+        run_fedpac(grid, cfg, 1)
+    assert not any(m.metadata.message_type == "train" for m in grid.sent)
