@@ -146,6 +146,36 @@ def parse_train_reply(
     )
 
 
+@dataclass(frozen=True)
+class ClientInfo:
+    """A node's answer to the pre-flight query."""
+
+    partition_id: int
+    num_partitions: int
+    num_examples: int
+    test_examples: int
+
+
+def parse_query_reply(msg: Message) -> ClientInfo:
+    """Decode a pre-flight (query) reply."""
+    if msg.has_error():
+        raise InvalidReply(msg.error.reason)
+    _check_shape_of_reply(msg, EVALUATE_RECORDS)
+    metrics = _get(msg, p.METRICS)
+    num_partitions = _metric(metrics, "num-partitions")
+    if not num_partitions.is_integer() or num_partitions < 1:
+        raise InvalidReply(f"num-partitions {num_partitions!r} is not a positive integer")
+    counts = [_metric(metrics, key) for key in (p.NUM_EXAMPLES, "test-examples")]
+    if any(c <= 0 or not c.is_integer() for c in counts):
+        raise InvalidReply(f"sample counts {counts} must be positive integers")
+    return ClientInfo(
+        partition_id=_partition_id(metrics, int(num_partitions)),
+        num_partitions=int(num_partitions),
+        num_examples=int(counts[0]),
+        test_examples=int(counts[1]),
+    )
+
+
 def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> ClientEvaluation:
     """Decode an evaluation reply."""
     if msg.has_error():

@@ -26,6 +26,7 @@ from server_app.replies import (
     ClientUpdate,
     InvalidReply,
     parse_evaluate_reply,
+    parse_query_reply,
     parse_train_reply,
 )
 from server_app.checkpoint import Checkpoint
@@ -146,7 +147,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         Before round 1 (``strict``): learns every node's partition-id, and a client that cannot
         load its data becomes a clear error before any training. During the run: a node that
         joined late or restarted (new node id) is identified before it is sent anything, so it
-        gets its own personalized head back; problems are logged and the node is left out.
+        gets its own personalized head back; problems are only logged (such a node is
+        identified by its first valid training reply instead).
         """
         nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
         if not nodes:
@@ -161,11 +163,12 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         problems = []
         for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                problems.append(f"node {node}: {reply.error.reason}")
+            try:
+                info = parse_query_reply(reply)
+            except InvalidReply as err:
+                problems.append(f"node {node}: {err}")
                 continue
-            metrics = reply.content[p.METRICS]
-            pid = int(metrics[p.PARTITION_ID])
+            pid = info.partition_id
             owner = {part: n for n, part in self.node_partition.items()}.get(pid)
             if owner is not None and strict:
                 problems.append(f"node {node}: partition-id {pid} is already taken by node {owner}")
@@ -174,9 +177,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 log(WARNING, "partition-id %d moved from node %d to node %d", pid, owner, node)
                 del self.node_partition[owner]
             self.node_partition[node] = pid
-            self.num_partitions = max(self.num_partitions or 0, int(metrics["num-partitions"]))
+            self.num_partitions = max(self.num_partitions or 0, info.num_partitions)
             log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, pid,
-                int(metrics["num-partitions"]), int(metrics[p.NUM_EXAMPLES]), int(metrics["test-examples"]))
+                info.num_partitions, info.num_examples, info.test_examples)
         missing = len(nodes) - len(replies)
         if missing:
             problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")

@@ -5,7 +5,7 @@ import logging
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, MessageType
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord
 
 from common import protocol as p
 from common.config import parse_run_config
@@ -134,3 +134,23 @@ def test_two_unregistered_nodes_claiming_one_partition_in_a_round_are_both_rejec
         _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert "claiming partition-id 0: claimed twice" in caplog.text
     assert set(strategy.heads) == {2, 3} and metrics["num-replies"] == 2
+
+
+@pytest.mark.parametrize("problem", ["missing partition-id", "client error", "duplicate partition"])
+def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
+    def tampering(reply, pid):
+        if reply.metadata.message_type == MessageType.QUERY and pid == BAD:
+            if problem == "missing partition-id":
+                reply.content[p.METRICS] = MetricRecord({"num-partitions": 4, "num-examples": 60, "test-examples": 30})
+            elif problem == "duplicate partition":
+                reply.content[p.METRICS][p.PARTITION_ID] = 0
+            else:
+                return Message(Error(code=0, reason="DataError: disk on fire"), reply_to=reply)
+        return reply
+
+    strategy, _ = _setup()
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
+    expected = {"missing partition-id": "missing metric 'partition-id'", "client error": "disk on fire",
+                "duplicate partition": "already taken"}[problem]
+    with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{expected}"):
+        strategy.discover(grid, timeout=60)
