@@ -14,7 +14,7 @@ from client_app.train import evaluate as evaluate_model
 from client_app.train import local_update
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
-from common.data import load_dataset, normalization, to_tensors
+from common.data import load_dataset, to_tensors
 from common.model import FedPACNet
 from common.partition import client_split
 
@@ -48,7 +48,7 @@ def client_tensors(
     """(x_train, y_train, x_test, y_test) on ``device``, built once per process and client."""
     data = load_dataset(cfg)
     split = client_split(cfg, partition_id, num_partitions)
-    mean, std = normalization(data.train_images)
+    mean, std = data.train_normalization
     x_train, y_train = to_tensors(
         data.train_images[split.train_indices], split.train_labels, mean, std, device
     )

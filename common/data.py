@@ -10,7 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,11 @@ class ImageDataset:
                                 f"{len(labels)} labels")
             if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
                 raise DataError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
+
+    @cached_property
+    def train_normalization(self) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and std of the training images (computed once per loaded dataset)."""
+        return normalization(self.train_images)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -201,8 +206,11 @@ def load_dataset(cfg: FedPACConfig) -> ImageDataset:
 
 def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of uint8 NHWC images, in [0, 1] units."""
-    scaled = images.reshape(-1, images.shape[-1]).astype(np.float64) / 255.0
-    return scaled.mean(axis=0), scaled.std(axis=0) + 1e-8
+    pixels = images.reshape(-1, images.shape[-1])
+    # reductions in float64 without a float64 copy of the whole dataset
+    mean = pixels.mean(axis=0, dtype=np.float64)
+    std = pixels.std(axis=0, dtype=np.float64)
+    return mean / 255.0, std / 255.0 + 1e-8
 
 
 def to_tensors(

@@ -63,8 +63,9 @@ def _largest_eigenvalue(q: np.ndarray) -> float:
         return float(np.linalg.eigvalsh(q)[-1])
 
 
-def _objectives(alpha: np.ndarray, q: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.einsum("ij,ij->i", alpha @ q, alpha) - 2.0 * np.einsum("ij,ij->i", b, alpha)
+def _supports(alpha: np.ndarray) -> np.ndarray:
+    """Each row's support: entries above SUPPORT_EPS relative to the row's largest."""
+    return alpha > SUPPORT_EPS * alpha.max(axis=1, keepdims=True)
 
 
 def duality_gaps(alpha: np.ndarray, q: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -162,7 +163,7 @@ def polish_rows(q: np.ndarray, b: np.ndarray, alpha: np.ndarray) -> tuple[np.nda
     Returns (alpha, certified).
     """
     rows, m = alpha.shape
-    supports = alpha > SUPPORT_EPS * alpha.max(axis=1, keepdims=True)
+    supports = _supports(alpha)
     candidates = np.zeros((rows, m))
     nus = np.zeros(rows)
     primal_ok = np.zeros(rows, dtype=bool)
@@ -235,7 +236,7 @@ def solve_simplex_qps(
             finished = duality_gaps(alpha, q, b[active]) <= GAP_TOLERANCE
         if iteration in POLISH_AT:
             # exact solves cost O(support^3): wait until an iterate is sparse before trying
-            support_sizes = (alpha > SUPPORT_EPS * alpha.max(axis=1, keepdims=True)).sum(axis=1)
+            support_sizes = _supports(alpha).sum(axis=1)
             open_rows = ~finished & (support_sizes <= max(MIN_POLISH_SUPPORT, m // 2))
             polished, certified = polish_rows(q, b[active[open_rows]], alpha[open_rows])
             alpha[open_rows] = polished

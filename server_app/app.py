@@ -8,7 +8,6 @@ from dataclasses import asdict
 from logging import INFO
 from pathlib import Path
 
-import numpy as np
 import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -19,7 +18,7 @@ from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
 from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from server_app.report import RoundRecord, RunReport
+from server_app.report import RoundRecord, RunReport, atomic_write, npz_bytes
 from server_app.strategy import FedPAC
 
 app = ServerApp()
@@ -48,9 +47,7 @@ def save_final_state(strategy: FedPAC, path: Path) -> None:
     arrays["centroid_mask"] = strategy.centroid_mask
     for pid, head in sorted(strategy.heads.items()):
         arrays.update({f"client-{pid}/{k}": v for k, v in head.items()})
-    tmp = path.with_name(f".{path.name}.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    atomic_write(path, npz_bytes(arrays))
 
 
 def _resume(cfg: FedPACConfig) -> Checkpoint | None:

@@ -10,14 +10,13 @@ state needs saving: a resumed run continues exactly where the stopped one would 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from common import protocol as p
-from server_app.report import RoundRecord
+from server_app.report import RoundRecord, atomic_write, npz_bytes
 
 FILE_NAME = "checkpoint.npz"
 FORMAT_VERSION = 1
@@ -59,12 +58,7 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
     }
     arrays["meta"] = np.array(json.dumps(meta))
     path = directory / FILE_NAME
-    tmp = directory / f".{FILE_NAME}.tmp.npz"
-    with open(tmp, "wb") as stream:
-        np.savez(stream, **arrays)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, npz_bytes(arrays))
     return path
 
 

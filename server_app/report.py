@@ -57,11 +57,32 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
         """Unweighted mean of the clients' personalized accuracies (the paper's metric)."""
         return float(np.mean(list(self.accuracy.values()))) if self.accuracy else float("nan")
 
+    @property
+    def mean_train_loss(self) -> float:
+        losses = [m["train-loss"] for m in self.train.values()]
+        return float(np.mean(losses)) if losses else float("nan")
 
-def _atomic_write(path: Path, data: bytes) -> None:
+    @property
+    def qp_fallbacks(self) -> int:
+        """Clients whose QP no solver could do (they kept their own head)."""
+        return sum(status.startswith("fallback") for status in self.solver_status)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write, flush to disk, then rename: readers see the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
     os.replace(tmp, path)
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """An .npz archive of ``arrays``, in memory (for :func:`atomic_write`)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
 
 
 class RunReport:
@@ -74,7 +95,7 @@ class RunReport:
         self.config = config
         self.rounds: list[RoundRecord] = []
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
+        atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
 
     def add(self, record: RoundRecord) -> None:
         """Log the round's line and rewrite every output file."""
@@ -84,14 +105,12 @@ class RunReport:
 
     def round_line(self, record: RoundRecord) -> str:
         acc = list(record.accuracy.values())
-        losses = [m["train-loss"] for m in record.train.values()]
-        fallbacks = sum(s.startswith("fallback") for s in record.solver_status)
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
             f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients) | "
-            f"{len(record.train)} trained, loss {np.mean(losses) if losses else float('nan'):.4f} | "
-            f"QP fallbacks {fallbacks} | {record.seconds:.1f}s"
+            f"{len(record.train)} trained, loss {record.mean_train_loss:.4f} | "
+            f"QP fallbacks {record.qp_fallbacks} | {record.seconds:.1f}s"
         )
 
     # ------------------------------------------------------------------ tables
@@ -120,13 +139,12 @@ class RunReport:
         rows = []
         for r in self.rounds:
             acc = list(r.accuracy.values())
-            losses = [m["train-loss"] for m in r.train.values()]
             rows.append({
                 "round": r.round, "mean_accuracy": r.mean_accuracy,
                 "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
                 "num_evaluated": len(acc), "num_trained": len(r.train),
-                "mean_train_loss": float(np.mean(losses)) if losses else "",
-                "qp_fallbacks": sum(s.startswith("fallback") for s in r.solver_status),
+                "mean_train_loss": r.mean_train_loss if r.train else "",
+                "qp_fallbacks": r.qp_fallbacks,
                 "centroid_classes": r.centroid_classes,
                 "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
                 "seconds": r.seconds,
@@ -149,9 +167,9 @@ class RunReport:
             for r in self.rounds
         ]
         document = {"config": self.config, "rounds": records, "written": time.time()}
-        _atomic_write(self.directory / "metrics.json", json.dumps(document, separators=(",", ":")).encode())
-        _atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
-        _atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
+        atomic_write(self.directory / "metrics.json", json.dumps(document, separators=(",", ":")).encode())
+        atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
+        atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
         self.plot_accuracy(self.directory / "accuracy.png")
         latest = next((r for r in reversed(self.rounds) if r.alpha), None)
         if latest is not None:
@@ -198,4 +216,4 @@ class RunReport:
         fig.tight_layout()
         fig.savefig(buffer, format="png", dpi=110)
         plt.close(fig)
-        _atomic_write(path, buffer.getvalue())
+        atomic_write(path, buffer.getvalue())

@@ -169,7 +169,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 problems.append(f"node {node}: {err}")
                 continue
             pid = info.partition_id
-            owner = {part: n for n, part in self.node_partition.items()}.get(pid)
+            owner = self._node_of(pid)
             if owner is not None and strict:
                 problems.append(f"node {node}: partition-id {pid} is already taken by node {owner}")
                 continue
@@ -198,10 +198,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # Choose positions, not ids: node ids are uint64 and numpy would turn them into floats.
         return [nodes[i] for i in sorted(rng.choice(len(nodes), size=size, replace=False))]
 
+    def _node_of(self, partition_id: int) -> int | None:
+        """The node currently registered for ``partition_id``, if any."""
+        return next((node for node, pid in self.node_partition.items() if pid == partition_id), None)
+
     def head_of(self, node_id: int) -> p.NDArrays:
         """The personalized head phi^_i of the client on ``node_id`` (initial if it never trained)."""
-        partition_id = self.node_partition.get(node_id)
-        return self.heads.get(partition_id, self.initial_head) if partition_id is not None else self.initial_head
+        return self.heads.get(self.node_partition.get(node_id), self.initial_head)
 
     def _messages(
         self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int
@@ -259,7 +262,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             log(WARNING, "Rejected reply from node %d (partition %d): it claims partition %d",
                 node_id, registered, parsed.partition_id)
             return None
-        previous = {pid: node for node, pid in self.node_partition.items()}.get(parsed.partition_id)
+        previous = self._node_of(parsed.partition_id)
         if previous is not None and previous != node_id:
             # A restarted SuperNode comes back with a new node id; it takes its partition over.
             # Two live nodes claiming one partition in the same round are rejected by _unique.
@@ -336,9 +339,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         record.solver_status = collaboration.status
         metrics = MetricRecord(
             {
-                "train-loss": float(np.mean([u.metrics["train-loss"] for u in updates])),
+                "train-loss": record.mean_train_loss,
                 "num-replies": len(updates),
-                "qp-fallbacks": sum(s.startswith("fallback") for s in collaboration.status),
+                "qp-fallbacks": record.qp_fallbacks,
             }
         )
         return p.to_record(result.extractor), metrics
