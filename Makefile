@@ -25,6 +25,7 @@ run: install
 		--run-config "output-dir='$(OUTPUT_DIR)' $(RUN_CONFIG)"
 
 test: install
+	deploy/install-docker.sh $(VENV)
 	$(VENV)/bin/python -m pytest
 
 stop:  # the local SuperLink that `flwr run` starts keeps running after the run

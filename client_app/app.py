@@ -1,4 +1,4 @@
-"""FedPAC ClientApp: one local data partition, trained on the GPU when there is one."""
+"""FedPAC ClientApp (and its baselines'): one local data partition, trained on the GPU when there is one."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.train import LocalUpdate, finetune_head, local_update
 from client_app.train import evaluate as evaluate_model
-from client_app.train import local_update
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
-from common.data import load_dataset, to_tensors
+from common.data import check_shape, load_client_directory, load_dataset, to_tensors
+from common.methods import METHODS
 from common.model import FedPACNet
 from common.partition import client_split
 
@@ -41,11 +42,25 @@ def partition_of(context: Context) -> tuple[int, int]:
         ) from err
 
 
+def data_path_of(context: Context) -> str:
+    """The node's own data directory (node config ``data-path``); empty for a dataset slice."""
+    return str(context.node_config.get("data-path", ""))
+
+
 @lru_cache(maxsize=64)
 def client_tensors(
-    cfg: FedPACConfig, partition_id: int, num_partitions: int, device: torch.device
+    cfg: FedPACConfig, partition_id: int, num_partitions: int, device: torch.device, data_path: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_test, y_test) on ``device``, built once per process and client."""
+    """(x_train, y_train, x_test, y_test) on ``device``, built once per process and client.
+
+    A deployed SuperNode names its own data directory in ``data-path`` and trains on all of it;
+    otherwise (simulation, demos) the client takes partition ``partition_id`` of the run's dataset.
+    """
+    if data_path:
+        own = check_shape(load_client_directory(data_path, cfg.num_classes), cfg)
+        mean, std = own.train_normalization
+        return (*to_tensors(own.train_images, own.train_labels, mean, std, device),
+                *to_tensors(own.test_images, own.test_labels, mean, std, device))
     data = load_dataset(cfg)
     split = client_split(cfg, partition_id, num_partitions)
     mean, std = data.train_normalization
@@ -70,54 +85,78 @@ def _setup(msg: Message, context: Context):
     return cfg, partition_id, num_partitions, device, model
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Run FedPAC's local update and reply with the model, centroids and statistics."""
-    started = time.perf_counter()
-    cfg, partition_id, num_partitions, device, model = _setup(msg, context)
-    x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device)
-    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> torch.Generator:
+    """Shuffling seeded by (seed, round, partition-id), so a resumed run repeats it exactly;
+    ``purpose`` separates streams (training 0, FedAvg-FT's fine-tuning 1)."""
+    return torch.Generator().manual_seed(
+        cfg.seed * 1_000_003 + server_round * 1_009 + partition_id + purpose * 7_919_011
+    )
+
+
+def _global_centroids(msg: Message, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The global centroids and their mask, for methods with feature alignment (else absent)."""
+    if p.CENTROIDS not in msg.content:
+        return None, None
     received = p.from_record(msg.content[p.CENTROIDS])
     centroids = torch.as_tensor(received[p.CENTROID_VALUES], dtype=torch.float32, device=device)
     mask = torch.as_tensor(received[p.CENTROID_MASK], dtype=torch.bool, device=device)
-    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + server_round * 1_009 + partition_id)
+    return centroids, mask
 
-    update = local_update(model, x, y, centroids, mask, cfg, generator)
 
-    statistics = p.to_record(
-        {
-            p.CENTROID_VALUES: update.centroids.cpu().numpy(),
-            p.CLASS_COUNTS: update.class_counts.cpu().numpy().astype(np.int64),
-            p.H: update.statistics.h.float().cpu().numpy(),
-        }
-    )
+def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
+    """Centroids, class counts and h: only those the method computed (none for FedAvg & co.)."""
+    arrays = {}
+    if update.centroids is not None:
+        arrays[p.CENTROID_VALUES] = update.centroids.cpu().numpy()
+    if update.class_counts is not None:
+        arrays[p.CLASS_COUNTS] = update.class_counts.cpu().numpy().astype(np.int64)
+    if update.statistics is not None:
+        arrays[p.H] = update.statistics.h.float().cpu().numpy()
+    return p.to_record(arrays) if arrays else None
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Run the method's local update and reply with the model and what the server step needs."""
+    started = time.perf_counter()
+    cfg, partition_id, num_partitions, device, model = _setup(msg, context)
+    x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
+    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    centroids, mask = _global_centroids(msg, device)
+
+    update = local_update(model, x, y, centroids, mask, cfg, _generator(cfg, server_round, partition_id))
+
     metrics = MetricRecord(
-        {
-            p.PARTITION_ID: partition_id,
-            p.NUM_EXAMPLES: update.statistics.num_samples,
-            p.V: update.statistics.v,
-            "head-loss": update.head_loss,
-            "train-loss": update.train_loss,
-            "align-loss": update.align_loss,
-            "train-seconds": time.perf_counter() - started,
-        }
+        {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, "train-loss": update.train_loss}
     )
-    content = RecordDict(
-        {
-            p.ARRAYS: ArrayRecord(torch_state_dict=model.state_dict()),
-            p.STATISTICS: statistics,
-            p.METRICS: metrics,
-        }
-    )
+    if update.statistics is not None:
+        metrics[p.V] = update.statistics.v
+    if update.head_loss is not None:
+        metrics["head-loss"] = update.head_loss
+    if update.align_loss is not None:
+        metrics["align-loss"] = update.align_loss
+    metrics["train-seconds"] = time.perf_counter() - started
+    content = RecordDict({p.ARRAYS: ArrayRecord(torch_state_dict=model.state_dict()), p.METRICS: metrics})
+    statistics = _statistics_record(update)
+    if statistics is not None:
+        content[p.STATISTICS] = statistics
     return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Personalized accuracy: global extractor + this client's combined head, own test split."""
+    """Personalized accuracy: the model the server sent for this client, on its own test split.
+
+    That is the global extractor with the client's combined head (FedPAC), its own head
+    (FedPer, FedRep, alignment-only), the global model (FedAvg), or its own model (Local-only).
+    FedAvg-FT first fine-tunes the head on the local training data; nothing of that goes back.
+    """
     started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
-    _, _, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device)
+    x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
+    if METHODS[cfg.strategy].finetune_before_evaluation:
+        server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+        finetune_head(model, x, y, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, x_test, y_test)
     metrics = MetricRecord(
         {
@@ -140,7 +179,9 @@ def query(msg: Message, context: Context) -> Message:
     """
     cfg = parse_run_config(context.run_config)
     partition_id, num_partitions = partition_of(context)
-    x, y, x_test, _ = client_tensors(cfg, partition_id, num_partitions, select_device(cfg.device))
+    x, y, x_test, _ = client_tensors(
+        cfg, partition_id, num_partitions, select_device(cfg.device), data_path_of(context)
+    )
     metrics = MetricRecord(
         {
             p.PARTITION_ID: partition_id,

@@ -1,4 +1,4 @@
-"""Server-side aggregation of FedPAC (eq. 18 and 19): pure numpy, no Flower."""
+"""Server-side aggregation of FedPAC (eq. 18 and 19) and of its baselines: pure numpy, no Flower."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.collaboration import CollaborationResult, collaboration_weights, mix_heads
+from common.methods import FEDPAC, Method, Rule
 
 
 def weighted_average(
@@ -54,33 +55,63 @@ def aggregate_centroids(
 class RoundAggregate:
     """The server's new state after one round (rows/lists in the order of the inputs)."""
 
-    extractor: dict[str, np.ndarray]
-    centroids: np.ndarray
-    centroid_mask: np.ndarray
-    heads: list[dict[str, np.ndarray]]  # phi^_i per input client
-    collaboration: CollaborationResult
+    extractor: dict[str, np.ndarray] | None  # the new global extractor; None: extractors stay local
+    centroids: np.ndarray | None  # unchanged (the previous ones) without feature alignment
+    centroid_mask: np.ndarray | None
+    heads: list[dict[str, np.ndarray]]  # the head each input client gets (phi^_i for FedPAC)
+    collaboration: CollaborationResult | None  # only when heads are mixed
+
+
+def combine(
+    rule: Rule,
+    parts: list[dict[str, np.ndarray]],
+    num_examples: np.ndarray,
+    alpha: np.ndarray | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """What each client gets back of one model part under ``rule``, in input order.
+
+    AVERAGE: everyone the sample-weighted mean (eq. 18); MIX: row i of ``alpha`` applied to the
+    parts (sum_j alpha_ij phi_j); LOCAL: its own part, untouched.
+    """
+    if rule is Rule.AVERAGE:
+        average = weighted_average(parts, num_examples)
+        return [average] * len(parts)
+    if rule is Rule.MIX:
+        if alpha is None:
+            raise ValueError("mixing needs combination weights alpha")
+        return mix_heads(parts, alpha)
+    return [dict(part) for part in parts]
 
 
 def aggregate_round(  # pylint: disable=too-many-arguments
     extractors: list[dict[str, np.ndarray]],
     heads: list[dict[str, np.ndarray]],
-    local_centroids: np.ndarray,
-    class_counts: np.ndarray,
-    h: np.ndarray,
-    v: np.ndarray,
+    local_centroids: np.ndarray | None,
+    class_counts: np.ndarray | None,
+    h: np.ndarray | None,
+    v: np.ndarray | None,
     num_examples: np.ndarray,
     previous_centroids: np.ndarray | None = None,
     previous_mask: np.ndarray | None = None,
     alpha_threshold: float = 1e-3,
     solver: str = "vectorized",
+    method: Method = FEDPAC,
 ) -> RoundAggregate:
-    """One FedPAC server step: eq. 18, eq. 19, and every client's collaboration QP + head mix."""
-    centroids, mask = aggregate_centroids(local_centroids, class_counts, previous_centroids, previous_mask)
-    collaboration = collaboration_weights(h, v, num_examples, alpha_threshold, solver)
+    """One server step of ``method``; for FedPAC: eq. 18, eq. 19, and every client's
+    collaboration QP + head mix. Inputs a method does not use may be ``None``."""
+    centroids, mask = previous_centroids, previous_mask
+    if method.needs_centroids:
+        centroids, mask = aggregate_centroids(local_centroids, class_counts, previous_centroids, previous_mask)
+    collaboration = None
+    if method.head is Rule.MIX:
+        collaboration = collaboration_weights(h, v, num_examples, alpha_threshold, solver)
+    extractor = None
+    if method.extractor is Rule.AVERAGE:
+        extractor = weighted_average(extractors, num_examples)
     return RoundAggregate(
-        extractor=weighted_average(extractors, num_examples),
+        extractor=extractor,
         centroids=centroids,
         centroid_mask=mask,
-        heads=mix_heads(heads, collaboration.alpha),
+        heads=combine(method.head, heads, num_examples, None if collaboration is None else collaboration.alpha),
         collaboration=collaboration,
     )

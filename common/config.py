@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from common.methods import METHODS
+
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
 PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
@@ -25,6 +27,8 @@ class ConfigError(ValueError):
 class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     """Typed view of the run config; field names are the kebab-case keys with underscores."""
 
+    # Method: FedPAC or one of the paper's baselines/ablations (``common.methods.METHODS``)
+    strategy: str = "fedpac"
     # Federation
     num_server_rounds: int = 20
     fraction_train: float = 1.0
@@ -43,6 +47,19 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     momentum: float = 0.5
     weight_decay: float = 5e-4
     lambda_align: float = 1.0
+    # Baselines. `extractor-lr` is the paper's step size eta of every baseline (Appendix B.3:
+    # "the same step size as other baselines"), so joint training, FedRep and fine-tuning use it.
+    # FedRep (Collins et al., ICML 2021): many local head epochs per round with the body frozen,
+    # then the body. 10 head epochs as in FedRep's own code (`--local_ep 11 --local_rep_ep 1`:
+    # 10 head epochs, then the representation); the FedPAC authors' published code has no
+    # FedRep, and the paper trains every method for E = 5 epochs, so the body gets E =
+    # `local-epochs` epochs like every other method's extractor.
+    fedrep_head_epochs: int = 10
+    # FedAvg-FT: the received global model's head is fine-tuned on the local training data before
+    # each evaluation. The authors' code (`local_fine_tuning` in methods/fedavg.py) trains only
+    # the classifier keys with the baselines' step size; the paper gives no epoch count, so one
+    # local epoch.
+    finetune_epochs: int = 1
     # Classifier collaboration
     alpha_threshold: float = 1e-3
     qp_solver: str = "vectorized"
@@ -100,6 +117,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _validate(cfg: FedPACConfig) -> None:
     k = FedPACConfig.key
+    _check(cfg.strategy in METHODS, k("strategy"), cfg.strategy, f"one of {', '.join(METHODS)}")
     _check(cfg.num_server_rounds >= 1, k("num_server_rounds"), cfg.num_server_rounds, ">= 1")
     for name in ("fraction_train", "fraction_evaluate"):
         value = getattr(cfg, name)
@@ -111,7 +129,9 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.max_failed_rounds >= 0, k("max_failed_rounds"), cfg.max_failed_rounds, ">= 0")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
     _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
-    _check(cfg.head_epochs >= 0, k("head_epochs"), cfg.head_epochs, ">= 0")
+    for name in ("head_epochs", "fedrep_head_epochs", "finetune_epochs"):
+        value = getattr(cfg, name)
+        _check(value >= 0, k(name), value, ">= 0")
     _check(cfg.batch_size >= 1, k("batch_size"), cfg.batch_size, ">= 1")
     for name in ("head_lr", "extractor_lr"):
         value = getattr(cfg, name)

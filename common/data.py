@@ -1,4 +1,5 @@
-"""Image datasets as plain arrays: the embedded default, local IDX files, Hugging Face datasets.
+"""Image datasets as plain arrays: the embedded default, local IDX files, Hugging Face datasets,
+and a deployed client's own data directory (IDX, .npz or image folders).
 
 Every loader returns an :class:`ImageDataset` of uint8 NHWC images with int64 labels and the
 dataset's own train/test split. Partitioning (``common.partition``) and tensor conversion
@@ -22,6 +23,7 @@ FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 CIFAR10_HF_REPO = "uoft-cs/cifar10"
 # Class-stratified split of the embedded 5,000 images (500 per class) into train and test pools.
 EMBEDDED_TEST_PER_CLASS = 150
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 _IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -189,12 +191,64 @@ def _load_cached(dataset: str, data_dir: str, hf_repo: str) -> ImageDataset:
     return load_hf_dataset(hf_repo, data_dir)
 
 
-def load_dataset(cfg: FedPACConfig) -> ImageDataset:
-    """The dataset a run config names, checked against the model shape the config implies.
+def _load_npz_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(path, allow_pickle=False) as arrays:
+        image_key = _first_column(list(arrays.files), ("x", "images", "image"), f"image array in {path}")
+        label_key = _first_column(list(arrays.files), ("y", "labels", "label"), f"label array in {path}")
+        images, labels = arrays[image_key], arrays[label_key]
+    if images.dtype != np.uint8:
+        raise DataError(f"{path}: images must be uint8 (0..255), got {images.dtype}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{path}: labels must be integers, got {labels.dtype}")
+    return (images[..., None] if images.ndim == 3 else images), labels.astype(np.int64)
 
-    Cached per process: a simulation reuses one loaded dataset for every ClientApp call.
+
+def _load_image_folder(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+    from PIL import Image  # pylint: disable=import-outside-toplevel  # comes with torchvision
+
+    images, labels = [], []
+    for class_dir in sorted(d for d in directory.iterdir() if d.is_dir()):
+        if not class_dir.name.isdigit():
+            raise DataError(f"{class_dir}: class folders must be named by the class index (0, 1, ...)")
+        for file in sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES):
+            with Image.open(file) as image:
+                images.append(np.asarray(image, dtype=np.uint8))
+            labels.append(int(class_dir.name))
+    if not images:
+        raise DataError(f"{directory}: no {'/'.join(IMAGE_SUFFIXES)} images in class folders")
+    if len({image.shape for image in images}) > 1:
+        raise DataError(f"{directory}: images have different sizes")
+    stacked = np.stack(images)
+    return (stacked[..., None] if stacked.ndim == 3 else stacked), np.asarray(labels, dtype=np.int64)
+
+
+def load_client_directory(directory: str | Path, num_classes: int) -> ImageDataset:
+    """A deployed client's own data: ``directory`` holds its train and test split as
+    ``train.npz``/``test.npz`` (arrays ``x`` uint8 NHW[C], ``y`` labels), MNIST-style IDX files, or
+    image folders ``train/<class>/*.png`` and ``test/<class>/*.png``.
     """
-    data = _load_cached(cfg.dataset, cfg.data_dir, cfg.hf_repo)
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"client data directory {directory} does not exist")
+    if (directory / "train.npz").is_file():
+        train, test = (_load_npz_split(directory / f"{split}.npz") for split in ("train", "test"))
+    elif (directory / "train").is_dir():
+        train, test = (_load_image_folder(directory / split) for split in ("train", "test"))
+    elif any(directory.glob(f"{_IDX_FILES['train_images']}*")):
+        data = load_idx_dataset(str(directory), directory)
+        train, test = (data.train_images, data.train_labels), (data.test_images, data.test_labels)
+    else:
+        raise DataError(
+            f"client data directory {directory} holds none of: train.npz + test.npz, "
+            "train/ + test/ image folders, MNIST-style IDX files"
+        )
+    if len(train[1]) == 0 or len(test[1]) == 0:
+        raise DataError(f"client data directory {directory}: the train and test splits must not be empty")
+    return ImageDataset(str(directory), *train, *test, num_classes=num_classes)
+
+
+def check_shape(data: ImageDataset, cfg: FedPACConfig) -> ImageDataset:
+    """``data`` if its images and classes fit the model the run config builds, else a DataError."""
     expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
     if data.image_shape != expected or data.num_classes > cfg.num_classes:
         raise DataError(
@@ -202,6 +256,14 @@ def load_dataset(cfg: FedPACConfig) -> ImageDataset:
             f"the run config expects {expected} and at most {cfg.num_classes} classes"
         )
     return data
+
+
+def load_dataset(cfg: FedPACConfig) -> ImageDataset:
+    """The dataset a run config names, checked against the model shape the config implies.
+
+    Cached per process: a simulation reuses one loaded dataset for every ClientApp call.
+    """
+    return check_shape(_load_cached(cfg.dataset, cfg.data_dir, cfg.hf_repo), cfg)
 
 
 def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

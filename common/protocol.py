@@ -5,6 +5,10 @@ head), ``centroids`` (train only: global class centroids and their mask), ``conf
 Client -> server (train): ``arrays`` (trained extractor + head), ``statistics`` (local centroids,
 class counts, h) and ``metrics`` (partition-id, num-examples, v, losses).
 Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss).
+
+Baselines (``common.methods``) send only what their server step uses: ``centroids`` down and
+local centroids up only with feature alignment, h and v only with classifier collaboration,
+no ``statistics`` record at all for FedAvg, FedAvg-FT, FedPer, FedRep and Local-only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FedPAC ServerApp: validates the run config, runs the strategy, writes outputs and checkpoints."""
+"""FedPAC ServerApp: validates the run config, runs the strategy (FedPAC or the baseline the
+run config's ``strategy`` names), writes outputs and checkpoints."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.methods import METHODS, Rule
 from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
 from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -41,12 +43,20 @@ def model_shape(cfg: FedPACConfig) -> tuple[int, int, int]:
 
 
 def save_final_state(strategy: FedPAC, path: Path) -> None:
-    """Global extractor, centroids and every personalized head, in one .npz."""
+    """Global extractor, centroids and every personalized head, in one .npz.
+
+    FedAvg's single head is saved as ``head/...``; Local-only's per-client extractors as
+    ``client-<pid>/extractor...`` next to their heads.
+    """
     arrays = {f"extractor/{k}": v for k, v in (strategy.extractor or {}).items()}
     arrays["centroids"] = strategy.centroids
     arrays["centroid_mask"] = strategy.centroid_mask
+    if strategy.method.head is Rule.AVERAGE:
+        arrays.update({f"head/{k}": v for k, v in strategy.global_head.items()})
     for pid, head in sorted(strategy.heads.items()):
         arrays.update({f"client-{pid}/{k}": v for k, v in head.items()})
+    for pid, extractor in sorted(strategy.local_extractors.items()):
+        arrays.update({f"client-{pid}/{k}": v for k, v in extractor.items()})
     atomic_write(path, npz_bytes(arrays))
 
 
@@ -61,20 +71,26 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
         )
     if checkpoint.seed != cfg.seed:
         raise ConfigError(f"run config 'resume-from': checkpoint has seed {checkpoint.seed}, this run {cfg.seed}")
+    if checkpoint.strategy != cfg.strategy:
+        raise ConfigError(
+            f"run config 'resume-from': checkpoint is a '{checkpoint.strategy}' run, this run's "
+            f"strategy is '{cfg.strategy}'"
+        )
     return checkpoint
 
 
 def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
-    """Run (or resume) FedPAC until ``num-server-rounds`` rounds are complete."""
+    """Run (or resume) the configured method until ``num-server-rounds`` rounds are complete."""
     checkpoint = _resume(cfg)  # fails before any training on a bad checkpoint
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
     groups = len(dominant_class_groups(cfg.num_classes))
     directory = run_directory(cfg, run_id)
     report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg))
-    log(INFO, "FedPAC outputs: %s", directory)
+    log(INFO, "%s outputs: %s", cfg.strategy, directory)
 
     strategy = FedPAC(
         initial_head=head,
+        method=METHODS[cfg.strategy],
         num_rounds=cfg.num_server_rounds,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
@@ -104,6 +120,9 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
                 rounds=report.rounds,
                 model_shape=model_shape(cfg),
                 seed=cfg.seed,
+                strategy=cfg.strategy,
+                global_head=strategy.global_head if strategy.method.head is Rule.AVERAGE else None,
+                client_extractors=strategy.local_extractors,
             ),
             directory,
         )
@@ -125,8 +144,8 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run FedPAC for ``num-server-rounds`` rounds."""
+    """Run FedPAC (or the run config's baseline) for ``num-server-rounds`` rounds."""
     cfg = parse_run_config(context.run_config)  # fails before any training on a bad value
     _, report = run_fedpac(grid, cfg, context.run_id)
-    log(INFO, "FedPAC finished: final mean personalized accuracy %.2f%%; outputs in %s",
+    log(INFO, "%s finished: final mean personalized accuracy %.2f%%; outputs in %s", cfg.strategy,
         100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), report.directory)

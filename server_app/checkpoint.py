@@ -2,7 +2,9 @@
 
 One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename) after every
 round: the global extractor, the global centroids and mask, every client's personalized head
-(by partition-id), the number of finished rounds, and the per-round records so far. Node
+(by partition-id), the number of finished rounds, and the per-round records so far. Baselines
+add what their server keeps instead: FedAvg's global head, Local-only's per-client extractors;
+the method's name is stored so that a run resumes only as the method it was. Node
 sampling and local shuffling are seeded by (seed, round, partition-id), so no random generator
 state needs saving: a resumed run continues exactly where the stopped one would have.
 """
@@ -10,7 +12,7 @@ state needs saving: a resumed run continues exactly where the stopped one would 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,9 @@ class Checkpoint:
     rounds: list[RoundRecord]
     model_shape: tuple[int, int, int]  # (num_classes, image_size, image_channels)
     seed: int
+    strategy: str = "fedpac"  # the method (run config `strategy`)
+    global_head: p.NDArrays | None = None  # methods that average heads (FedAvg)
+    client_extractors: dict[int, p.NDArrays] = field(default_factory=dict)  # Local-only
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
@@ -49,11 +54,16 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
     arrays["centroid_mask"] = checkpoint.centroid_mask
     for pid, head in checkpoint.heads.items():
         arrays.update({f"head/{pid}/{k}": v for k, v in head.items()})
+    for key, value in (checkpoint.global_head or {}).items():
+        arrays[f"global-head/{key}"] = value
+    for pid, extractor in checkpoint.client_extractors.items():
+        arrays.update({f"client-extractor/{pid}/{k}": v for k, v in extractor.items()})
     meta = {
         "format": FORMAT_VERSION,
         "completed_rounds": checkpoint.completed_rounds,
         "model_shape": list(checkpoint.model_shape),
         "seed": checkpoint.seed,
+        "strategy": checkpoint.strategy,
         "rounds": [asdict(r) for r in checkpoint.rounds],
     }
     arrays["meta"] = np.array(json.dumps(meta))
@@ -84,10 +94,15 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT_VERSION}")
     heads: dict[int, p.NDArrays] = {}
+    client_extractors: dict[int, p.NDArrays] = {}
     for name, value in arrays.items():
         if name.startswith("head/"):
             _, pid, key = name.split("/", 2)
             heads.setdefault(int(pid), {})[key] = value
+        elif name.startswith("client-extractor/"):
+            _, pid, key = name.split("/", 2)
+            client_extractors.setdefault(int(pid), {})[key] = value
+    global_head = {k[len("global-head/"):]: v for k, v in arrays.items() if k.startswith("global-head/")}
     return Checkpoint(
         completed_rounds=int(meta["completed_rounds"]),
         extractor={k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")},
@@ -97,4 +112,7 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         rounds=[_record(r) for r in meta["rounds"]],
         model_shape=tuple(meta["model_shape"]),
         seed=int(meta["seed"]),
+        strategy=str(meta.get("strategy", "fedpac")),  # checkpoints from before the baselines
+        global_head=global_head or None,
+        client_extractors=client_extractors,
     )

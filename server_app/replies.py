@@ -8,6 +8,7 @@ import numpy as np
 from flwr.app import Message
 
 from common import protocol as p
+from common.methods import FEDPAC, Method
 
 
 class InvalidReply(ValueError):
@@ -22,12 +23,13 @@ class ClientUpdate:  # pylint: disable=too-many-instance-attributes
     node_id: int
     extractor: p.NDArrays
     head: p.NDArrays
-    centroids: np.ndarray  # (K, d)
-    class_counts: np.ndarray  # (K,)
-    h: np.ndarray  # (K, d)
-    v: float
     num_examples: int
     metrics: dict[str, float]
+    # Only for methods whose server step uses them (``None`` otherwise):
+    centroids: np.ndarray | None = None  # (K, d), with feature alignment
+    class_counts: np.ndarray | None = None  # (K,), with any statistics
+    h: np.ndarray | None = None  # (K, d), with classifier collaboration
+    v: float | None = None  # with classifier collaboration
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,18 @@ class ClientEvaluation:
 MAX_METRICS = 32
 TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS})
 EVALUATE_RECORDS = frozenset({p.METRICS})
+
+
+def expected_statistics(method: Method, num_classes: int, dim: int) -> dict[str, tuple[int, ...]]:
+    """The arrays a method's training reply carries in its ``statistics`` record, with shapes."""
+    expected: dict[str, tuple[int, ...]] = {}
+    if method.needs_centroids:
+        expected[p.CENTROID_VALUES] = (num_classes, dim)
+    if method.sends_class_counts:
+        expected[p.CLASS_COUNTS] = (num_classes,)
+    if method.needs_statistics:
+        expected[p.H] = (num_classes, dim)
+    return expected
 
 
 def _check_shape_of_reply(msg: Message, allowed: frozenset[str]) -> None:
@@ -93,26 +107,11 @@ def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDAr
     return {key: arrays[key].astype(template[key].dtype) for key in template}
 
 
-def parse_train_reply(
-    msg: Message,
-    extractor_template: p.NDArrays,
-    head_template: p.NDArrays,
-    num_partitions: int | None = None,
-) -> ClientUpdate:
-    """Decode a training reply, checking shapes, finiteness and count consistency."""
-    if msg.has_error():
-        raise InvalidReply(f"client error: {msg.error.reason}")
-    _check_shape_of_reply(msg, TRAIN_RECORDS)
-    metrics = _get(msg, p.METRICS)
-    partition_id = _partition_id(metrics, num_partitions)
-    arrays = p.from_record(_get(msg, p.ARRAYS))
-    extractor = _check_arrays(
-        {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
-    )
-    head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
+def _parse_statistics(msg: Message, expected: dict[str, tuple[int, ...]]) -> p.NDArrays:
+    """The statistics record: exactly the expected arrays, with their shapes, all finite."""
+    if not expected:
+        return {}  # the record itself is refused by _check_shape_of_reply
     stats = p.from_record(_get(msg, p.STATISTICS))
-    num_classes, dim = head_template["head.weight"].shape
-    expected = {p.CENTROID_VALUES: (num_classes, dim), p.CLASS_COUNTS: (num_classes,), p.H: (num_classes, dim)}
     extra = sorted(set(stats) - set(expected))
     if extra:
         raise InvalidReply(f"statistics hold unexpected arrays {extra}")
@@ -123,26 +122,59 @@ def parse_train_reply(
             raise InvalidReply(f"statistics '{key}' has shape {stats[key].shape}, expected {shape}")
         if not np.isfinite(stats[key]).all():
             raise InvalidReply(f"statistics '{key}' hold NaN or Inf")
-    counts = stats[p.CLASS_COUNTS].astype(np.float64)
+    return stats
+
+
+def parse_train_reply(
+    msg: Message,
+    extractor_template: p.NDArrays,
+    head_template: p.NDArrays,
+    num_partitions: int | None = None,
+    method: Method = FEDPAC,
+) -> ClientUpdate:
+    """Decode a training reply of ``method``, checking shapes, finiteness and count consistency.
+
+    A method that needs no statistics (FedAvg, FedPer, FedRep, Local-only) must not send any.
+    """
+    if msg.has_error():
+        raise InvalidReply(f"client error: {msg.error.reason}")
+    num_classes, dim = head_template["head.weight"].shape
+    expected = expected_statistics(method, num_classes, dim)
+    _check_shape_of_reply(msg, TRAIN_RECORDS if expected else TRAIN_RECORDS - {p.STATISTICS})
+    metrics = _get(msg, p.METRICS)
+    partition_id = _partition_id(metrics, num_partitions)
+    arrays = p.from_record(_get(msg, p.ARRAYS))
+    extractor = _check_arrays(
+        {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
+    )
+    head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
+    stats = _parse_statistics(msg, expected)
     num_examples = _metric(metrics, p.NUM_EXAMPLES)
-    if (counts < 0).any() or not np.allclose(counts, np.round(counts)):
-        raise InvalidReply("class counts must be non-negative integers")
-    if num_examples <= 0 or counts.sum() != num_examples:
-        raise InvalidReply(f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
-    v = _metric(metrics, p.V)
-    if v < 0:
-        raise InvalidReply(f"V = {v} is negative")
+    if num_examples <= 0 or not num_examples.is_integer():
+        raise InvalidReply(f"num-examples {num_examples} must be positive and a whole number")
+    counts = None
+    if p.CLASS_COUNTS in stats:
+        counts = stats[p.CLASS_COUNTS].astype(np.float64)
+        if (counts < 0).any() or not np.allclose(counts, np.round(counts)):
+            raise InvalidReply("class counts must be non-negative integers")
+        if counts.sum() != num_examples:
+            raise InvalidReply(f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
+    v = None
+    if method.needs_statistics:
+        v = _metric(metrics, p.V)
+        if v < 0:
+            raise InvalidReply(f"V = {v} is negative")
     return ClientUpdate(
         partition_id=partition_id,
         node_id=msg.metadata.src_node_id,
         extractor=extractor,
         head=head,
-        centroids=stats[p.CENTROID_VALUES].astype(np.float64),
-        class_counts=counts,
-        h=stats[p.H].astype(np.float64),
-        v=v,
         num_examples=int(num_examples),
         metrics={k: float(val) for k, val in metrics.items() if isinstance(val, (int, float))},
+        centroids=stats[p.CENTROID_VALUES].astype(np.float64) if p.CENTROID_VALUES in stats else None,
+        class_counts=counts,
+        h=stats[p.H].astype(np.float64) if p.H in stats else None,
+        v=v,
     )
 
 

@@ -187,33 +187,50 @@ class RunReport:
             ax.plot(rounds, [a.mean() for a in per_round], marker="o", markersize=3, label="mean")
         ax.set_xlabel("round")
         ax.set_ylabel("personalized test accuracy (%)")
-        ax.set_title("FedPAC")
+        ax.set_title(str(self.config.get("strategy", "fedpac")))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         self._save(fig, path)
 
     def plot_alpha(self, record: RoundRecord, path: Path) -> None:
         """The client-to-client combination weights, clients ordered by group (paper Fig. 2-3)."""
-        pids = record.alpha_partitions
-        order = sorted(range(len(pids)), key=lambda i: (self.group_of(pids[i]), pids[i]))
-        alpha = np.asarray(record.alpha)[np.ix_(order, order)]
-        labels = [f"{pids[i]} (g{self.group_of(pids[i])})" for i in order]
-        size = max(4.0, 0.3 * len(pids) + 2)
-        fig, ax = plt.subplots(figsize=(size + 1, size))
-        image = ax.imshow(alpha, cmap="viridis", vmin=0.0, vmax=max(alpha.max(), 1e-9))
-        fig.colorbar(image, ax=ax, label="alpha_ij")
-        if len(pids) <= 40:
-            ax.set_xticks(range(len(pids)), labels, rotation=90, fontsize=7)
-            ax.set_yticks(range(len(pids)), labels, fontsize=7)
-        ax.set_xlabel("head of client j")
-        ax.set_ylabel("client i")
-        ax.set_title(f"combination weights, round {record.round}")
-        self._save(fig, path)
+        plot_alpha(record.alpha, record.alpha_partitions, record.round, self.group_of, path)
 
     @staticmethod
     def _save(fig, path: Path) -> None:
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
-        atomic_write(path, buffer.getvalue())
+        save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Render ``fig`` to PNG and write it atomically."""
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(path, buffer.getvalue())
+
+
+def plot_alpha(  # pylint: disable=too-many-arguments
+    alpha: list[list[float]],
+    pids: list[int],
+    round_number: int,
+    group_of: Callable[[int], int],
+    path: Path,
+    title: str | None = None,
+) -> None:
+    """Heatmap of combination weights (row i: alpha_i over the heads of clients j), clients
+    ordered by group so that the groups show as blocks (paper Fig. 2-3)."""
+    order = sorted(range(len(pids)), key=lambda i: (group_of(pids[i]), pids[i]))
+    matrix = np.asarray(alpha)[np.ix_(order, order)]
+    labels = [f"{pids[i]} (g{group_of(pids[i])})" for i in order]
+    size = max(4.0, 0.3 * len(pids) + 2)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=max(matrix.max(), 1e-9))
+    fig.colorbar(image, ax=ax, label="alpha_ij")
+    if len(pids) <= 40:
+        ax.set_xticks(range(len(pids)), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(pids)), labels, fontsize=7)
+    ax.set_xlabel("head of client j")
+    ax.set_ylabel("client i")
+    ax.set_title(title or f"combination weights, round {round_number}")
+    save_figure(fig, path)

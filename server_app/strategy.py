@@ -1,10 +1,15 @@
-"""The FedPAC Strategy on Flower's Message API.
+"""The FedPAC Strategy on Flower's Message API, and through it the paper's baselines.
 
 Per round: every selected node gets its own message (global extractor, global centroids, and
 *its* personalized head); ``aggregate_train`` averages extractors by samples (eq. 18),
 centroids by class counts (eq. 19), solves each replying client's collaboration QP and stores
 the mixed heads by partition-id; ``configure_evaluate`` sends every node its new head.
-The math lives in ``common.aggregation`` and ``common.collaboration``; this file is the glue.
+
+The baselines and ablations (``common.methods``) run through the same class: a method only
+says what happens to each model part (averaged, mixed, or kept per client by partition-id)
+and whether centroids travel, so sampling, discovery, reply validation, the partition-id
+bookkeeping and checkpoints are shared. The math lives in ``common.aggregation`` and
+``common.collaboration``; this file is the glue.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import aggregate_round
+from common.aggregation import RoundAggregate, aggregate_round
+from common.methods import FEDPAC, Method, Rule
 from server_app.replies import (
     ClientEvaluation,
     ClientUpdate,
@@ -37,6 +43,12 @@ class FederationStalled(RuntimeError):
     """Too many rounds in a row without enough valid replies: the run stops."""
 
 
+def _stacked(values: list) -> np.ndarray | None:
+    """One array over the round's replies, or None for a statistic the method does not use
+    (reply validation guarantees it is then absent from every reply)."""
+    return None if values[0] is None else np.stack(values)
+
+
 class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     """FedPAC: feature alignment + classifier collaboration (Xu et al., ICLR 2023).
 
@@ -44,6 +56,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     ----------
     initial_head : dict[str, np.ndarray]
         The initial classifier head: what a client that never trained gets.
+    method : Method
+        FedPAC (default) or one of its baselines/ablations from ``common.methods.METHODS``.
     num_rounds : int
         Total rounds, so that the last one can include every client.
     fraction_train, fraction_evaluate : float
@@ -73,6 +87,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         *,
         initial_head: p.NDArrays,
         num_rounds: int,
+        method: Method = FEDPAC,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         full_last_round: bool = True,
@@ -85,6 +100,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
         self.initial_head = initial_head
+        self.method = method
         self.num_rounds = num_rounds
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
@@ -98,7 +114,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.seed = seed
         self.on_round_end = on_round_end
         # State, every per-client entry keyed by partition-id (node ids change between runs).
-        self.heads: dict[int, p.NDArrays] = {}
+        self.heads: dict[int, p.NDArrays] = {}  # personal heads (mixed or local)
+        self.global_head: p.NDArrays = dict(initial_head)  # the one head when heads are averaged
+        self.local_extractors: dict[int, p.NDArrays] = {}  # when extractors are not shared
         num_classes, dim = initial_head["head.weight"].shape
         self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
@@ -117,15 +135,22 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def summary(self) -> None:
         """Log the strategy's configuration."""
+        method = self.method
+        log(INFO, "\t├──> Method %s: extractor %s, head %s, feature alignment %s", method.name,
+            method.extractor.value, method.head.value, "on" if method.alignment else "off")
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
             "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
             self.fraction_evaluate, self.min_available_nodes)
-        log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
-            self.qp_solver, self.alpha_threshold)
+        if method.head is Rule.MIX:
+            log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
+                self.qp_solver, self.alpha_threshold)
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Continue from a checkpoint: its heads, centroids and round count."""
+        """Continue from a checkpoint: its heads, extractors, centroids and round count."""
         self.heads = {pid: dict(head) for pid, head in checkpoint.heads.items()}
+        if checkpoint.global_head is not None:
+            self.global_head = dict(checkpoint.global_head)
+        self.local_extractors = {pid: dict(ex) for pid, ex in checkpoint.client_extractors.items()}
         self.centroids = checkpoint.centroids.astype(np.float32)
         self.centroid_mask = checkpoint.centroid_mask.astype(bool)
         self.extractor = dict(checkpoint.extractor)
@@ -134,8 +159,21 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     # ------------------------------------------------------------------ sampling / messages
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, once ``min_available_nodes`` are connected.
+
+        A node that died may never come back: after one round timeout the round goes on with
+        the nodes that are there, and its minimum of replies decides whether it counts.
+        """
+        started = time.monotonic()
+        patience = self.discovery_timeout if self.discovery_timeout is not None else float("inf")
         while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
-            log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
+            waited = time.monotonic() - started
+            if waited >= patience:
+                log(WARNING, "only %d of the %d required nodes connected after %.0fs: going on with them",
+                    len(nodes), self.min_available_nodes, waited)
+                break
+            if int(waited) % 10 == 0:
+                log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
             time.sleep(1)
         # Ordered by partition-id where known: node ids are random per run, partition-ids are
         # not, so the same seed samples the same clients in every run (and after a resume).
@@ -150,10 +188,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         gets its own personalized head back; problems are only logged (such a node is
         identified by its first valid training reply instead).
         """
+        self.discovery_timeout = timeout
         nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
         if not nodes:
             return dict(self.node_partition)
-        self.discovery_timeout = timeout
         messages = [
             Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
                     message_type=MessageType.QUERY, dst_node_id=node)
@@ -203,8 +241,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return next((node for node, pid in self.node_partition.items() if pid == partition_id), None)
 
     def head_of(self, node_id: int) -> p.NDArrays:
-        """The personalized head phi^_i of the client on ``node_id`` (initial if it never trained)."""
+        """The head for the client on ``node_id``: its personalized head phi^_i (initial if it
+        never trained), or the global head when the method averages heads (FedAvg)."""
+        if self.method.head is Rule.AVERAGE:
+            return self.global_head
         return self.heads.get(self.node_partition.get(node_id), self.initial_head)
+
+    def extractor_of(self, node_id: int, extractor: p.NDArrays) -> p.NDArrays:
+        """The extractor for the client on ``node_id``: the global one, or, when extractors stay
+        local (Local-only), the client's own (the initial one before it first trains)."""
+        if self.method.extractor is Rule.LOCAL:
+            return self.local_extractors.get(self.node_partition.get(node_id), extractor)
+        return extractor
 
     def _messages(
         self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int
@@ -214,11 +262,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             # A fresh record per node: nothing mutable is shared between messages.
             content = RecordDict(
                 {
-                    p.ARRAYS: p.to_record({**extractor, **self.head_of(node_id)}),
+                    p.ARRAYS: p.to_record({**self.extractor_of(node_id, extractor), **self.head_of(node_id)}),
                     p.CONFIG: ConfigRecord({p.SERVER_ROUND: server_round}),
                 }
             )
-            if message_type == MessageType.TRAIN:
+            if message_type == MessageType.TRAIN and self.method.needs_centroids:
                 content[p.CENTROIDS] = p.to_record(
                     {p.CENTROID_VALUES: self.centroids, p.CENTROID_MASK: self.centroid_mask.astype(np.uint8)}
                 )
@@ -283,14 +331,15 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Extractor average, centroid update, collaboration QPs and head mixing."""
+        """The method's server step; for FedPAC: extractor average, centroid update,
+        collaboration QPs and head mixing."""
         server_round += self.round_offset
         replies = list(replies)
         assert self.extractor_template is not None and self._record is not None
         template = self.extractor_template
 
         def parse(msg: Message) -> ClientUpdate:
-            return parse_train_reply(msg, template, self.initial_head, self.num_partitions)
+            return parse_train_reply(msg, template, self.initial_head, self.num_partitions, self.method)
 
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
@@ -319,24 +368,22 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         result = aggregate_round(
             extractors=[u.extractor for u in updates],
             heads=[u.head for u in updates],
-            local_centroids=np.stack([u.centroids for u in updates]),
-            class_counts=np.stack([u.class_counts for u in updates]),
-            h=np.stack([u.h for u in updates]),
-            v=np.array([u.v for u in updates]),
+            local_centroids=_stacked([u.centroids for u in updates]),
+            class_counts=_stacked([u.class_counts for u in updates]),
+            h=_stacked([u.h for u in updates]),
+            v=_stacked([u.v for u in updates]),
             num_examples=np.array([u.num_examples for u in updates], dtype=np.float64),
             previous_centroids=self.centroids,
             previous_mask=self.centroid_mask,
             alpha_threshold=self.alpha_threshold,
             solver=self.qp_solver,
+            method=self.method,
         )
-        self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
-        self.extractor = result.extractor
-        for update, head in zip(updates, result.heads):
-            self.heads[update.partition_id] = head
-        collaboration = result.collaboration
-        record.alpha_partitions = [u.partition_id for u in updates]
-        record.alpha = collaboration.alpha.tolist()
-        record.solver_status = collaboration.status
+        self._store(updates, result)
+        if result.collaboration is not None:
+            record.alpha_partitions = [u.partition_id for u in updates]
+            record.alpha = result.collaboration.alpha.tolist()
+            record.solver_status = result.collaboration.status
         metrics = MetricRecord(
             {
                 "train-loss": record.mean_train_loss,
@@ -344,7 +391,24 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 "qp-fallbacks": record.qp_fallbacks,
             }
         )
-        return p.to_record(result.extractor), metrics
+        # Flower carries the global extractor to the next phase; Local-only has none to carry
+        # and passes the initial one on unchanged (each client's own is in local_extractors).
+        return p.to_record(self.extractor), metrics
+
+    def _store(self, updates: list[ClientUpdate], result: RoundAggregate) -> None:
+        """Keep the round's outcome: the global parts, and the per-client parts by partition-id."""
+        if result.centroids is not None:
+            self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
+        if result.extractor is not None:
+            self.extractor = result.extractor
+        else:
+            for update in updates:
+                self.local_extractors[update.partition_id] = update.extractor
+        if self.method.head is Rule.AVERAGE:
+            self.global_head = result.heads[0]
+        else:
+            for update, head in zip(updates, result.heads):
+                self.heads[update.partition_id] = head
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

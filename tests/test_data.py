@@ -9,6 +9,8 @@ import torch
 
 from common.config import parse_run_config
 from common.data import (
+    check_shape,
+    load_client_directory,
     DataError,
     load_dataset,
     load_embedded_mnist,
@@ -129,3 +131,69 @@ def test_normalized_tensors_have_zero_mean_unit_std():
     x, y = to_tensors(data.train_images, data.train_labels, mean, std, torch.device("cpu"))
     assert x.shape == (3500, 1, 28, 28) and y.dtype == torch.int64
     assert abs(x.mean().item()) < 1e-3 and abs(x.std().item() - 1) < 1e-3
+
+
+def _images_and_labels(n, seed, channels=None):
+    rng = np.random.default_rng(seed)
+    shape = (n, 28, 28) if channels is None else (n, 28, 28, channels)
+    return rng.integers(0, 256, shape).astype(np.uint8), np.arange(n) % 10
+
+
+def test_client_directory_of_npz_files(tmp_path):
+    for split, n in (("train", 30), ("test", 12)):
+        x, y = _images_and_labels(n, n)
+        np.savez(tmp_path / f"{split}.npz", x=x, y=y)
+    data = load_client_directory(tmp_path, num_classes=10)
+    assert data.train_images.shape == (30, 28, 28, 1) and data.test_images.shape == (12, 28, 28, 1)
+    np.testing.assert_array_equal(data.train_labels, np.arange(30) % 10)
+    cfg = parse_run_config({})
+    assert check_shape(data, cfg) is data
+
+
+def test_client_directory_of_idx_files(tmp_path):
+    _idx_folder(tmp_path, compress=True)
+    data = load_client_directory(tmp_path, num_classes=10)
+    assert data.train_images.shape == (40, 28, 28, 1) and len(data.test_labels) == 20
+
+
+def test_client_directory_of_image_folders(tmp_path):
+    from PIL import Image
+
+    x, y = _images_and_labels(14, 3)
+    for i, (image, label) in enumerate(zip(x, y)):
+        split = "train" if i < 10 else "test"
+        (tmp_path / split / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(tmp_path / split / str(label) / f"{i}.png")
+    data = load_client_directory(tmp_path, num_classes=10)
+    assert data.train_images.shape == (10, 28, 28, 1) and len(data.test_labels) == 4
+    order = np.argsort(data.train_labels, kind="stable")
+    np.testing.assert_array_equal(data.train_images[order][:, :, :, 0], x[:10][np.argsort(y[:10], kind="stable")])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "holds none of"),
+        (lambda d: [np.savez(d / f"{s}.npz", x=np.zeros((5, 28, 28), np.float32), y=np.zeros(5, int))
+                    for s in ("train", "test")], "must be uint8"),
+        (lambda d: [np.savez(d / f"{s}.npz", x=np.zeros((5, 28, 28), np.uint8), y=np.full(5, 12))
+                    for s in ("train", "test")], "labels outside"),
+        (lambda d: [np.savez(d / f"{s}.npz", x=np.zeros((n, 28, 28), np.uint8), y=np.zeros(n, int))
+                    for s, n in (("train", 5), ("test", 0))], "must not be empty"),
+        (lambda d: [np.savez(d / f"{s}.npz", images=np.zeros((5, 28, 28), np.uint8)) for s in ("train", "test")],
+         "no label array"),
+    ],
+)
+def test_client_directory_errors_are_clear(tmp_path, make, message):
+    make(tmp_path)
+    with pytest.raises(DataError, match=message):
+        load_client_directory(tmp_path, num_classes=10)
+
+
+def test_client_directory_must_fit_the_model(tmp_path):
+    for split in ("train", "test"):
+        np.savez(tmp_path / f"{split}.npz", x=np.zeros((4, 32, 32, 3), np.uint8), y=np.zeros(4, int))
+    with pytest.raises(DataError, match="run config expects"):
+        check_shape(load_client_directory(tmp_path, 10), parse_run_config({}))
+    with pytest.raises(DataError, match="does not exist"):
+        load_client_directory(tmp_path / "missing", 10)

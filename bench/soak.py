@@ -1,0 +1,210 @@
+"""Soak benchmark: many simulated clients, random client failures, memory per round.
+
+100 simulated clients, 30 % sampled per round, 30 rounds, and 10 % of all train/evaluate calls
+failing at random (the ClientApp raises, which reaches the server as an error reply). The run
+must complete, accuracy must still rise, and memory must stay flat: a sampler thread records
+the peak resident memory of this process (the ServerApp and Flower's simulation engine) and of
+all its child processes (Ray's workers running the ClientApps) between two rounds.
+
+    python bench/soak.py [--clients 100] [--fraction 0.3] [--rounds 30] [--failure-rate 0.1]
+
+Writes bench/results/soak.csv (one row per round), soak.json (summary) and soak.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common import protocol as p  # noqa: E402
+from experiments.simulation import make_apps  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+class InjectedFailure(RuntimeError):
+    """The failure this benchmark injects into a ClientApp call."""
+
+
+def flaky(app: ClientApp, rate: float, seed: int) -> tuple[ClientApp, list[tuple[int, str, int]]]:
+    """``app`` with a share ``rate`` of its train/evaluate calls raising; returns the log of
+    injected failures as (round, message type, partition-id)."""
+    failures: list[tuple[int, str, int]] = []
+    wrapped = ClientApp()
+
+    def handler(msg: Message, context: Context) -> Message:
+        server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+        pid = int(context.node_config["partition-id"])
+        draw = random.Random(f"{seed}/{server_round}/{msg.metadata.message_type}/{pid}").random()
+        if draw < rate:
+            failures.append((server_round, msg.metadata.message_type, pid))
+            raise InjectedFailure(f"injected failure: round {server_round}, partition {pid}")
+        return app(msg, context)
+
+    wrapped.train()(handler)
+    wrapped.evaluate()(handler)
+    wrapped.query()(app)  # the pre-flight stays reliable: it is not what this measures
+    return wrapped, failures
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` (0 if it is gone), from /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Ray's raylet, GCS and workers), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class MemorySampler(threading.Thread):
+    """Peak RSS of this process and of all processes below it, reset at every new line of rounds.csv."""
+
+    def __init__(self, out: Path, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.out, self.interval = out, interval
+        self.rows: list[dict] = []
+        self.stop = threading.Event()
+        self._peak_self = self._peak_children = 0.0
+
+    def _rounds_written(self) -> list[dict]:
+        files = list(self.out.glob("*/rounds.csv"))
+        return list(csv.DictReader(files[0].open())) if files else []
+
+    def run(self) -> None:
+        me = os.getpid()
+        while not self.stop.is_set():
+            self._peak_self = max(self._peak_self, rss_mb(me))
+            self._peak_children = max(self._peak_children, sum(rss_mb(c) for c in descendants(me)))
+            rounds = self._rounds_written()
+            for row in rounds[len(self.rows):]:
+                self.rows.append({
+                    "round": int(row["round"]),
+                    "mean_accuracy": float(row["mean_accuracy"]),
+                    "num_trained": int(row["num_trained"]),
+                    "num_evaluated": int(row["num_evaluated"]),
+                    "seconds": float(row["seconds"]),
+                    "server_peak_rss_mb": round(self._peak_self, 1),
+                    "workers_peak_rss_mb": round(self._peak_children, 1),
+                })
+                self._peak_self = self._peak_children = 0.0
+            time.sleep(self.interval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--fraction", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--failure-rate", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus-per-client", type=float, default=1.0)
+    args = parser.parse_args(argv)
+
+    from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
+
+    out = Path(tempfile.mkdtemp(prefix="fedpac-soak-"))
+    run_config = {
+        "num-server-rounds": args.rounds, "fraction-train": args.fraction, "fraction-evaluate": args.fraction,
+        "min-available-clients": args.clients, "seed": args.seed, "output-dir": str(out),
+        # 100 clients x 600 samples exceed the embedded 3,500 images: smaller clients, as in
+        # the paper's 100-client setting where clients overlap
+        "samples-per-client": 200, "test-samples-per-client": 100,
+    }
+    server_app, client_app = make_apps(run_config)
+    client_app, failures = flaky(client_app, args.failure_rate, args.seed)
+    sampler = MemorySampler(out)
+    sampler.start()
+    started = time.monotonic()
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=args.clients,
+                   backend_config={"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}})
+    wall = time.monotonic() - started
+    time.sleep(2 * sampler.interval)
+    sampler.stop.set()
+    sampler.join()
+    rows = sampler.rows
+    if len(rows) != args.rounds:
+        raise SystemExit(f"soak: only {len(rows)} of {args.rounds} rounds completed (outputs in {out})")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with (RESULTS / "soak.csv").open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    # failures happen inside Ray workers: count them from what the server saw instead
+    sampled = max(1, round(args.fraction * args.clients))
+    expected = [args.clients if r["round"] == args.rounds else sampled for r in rows]
+    missing_train = sum(e - r["num_trained"] for e, r in zip(expected, rows))
+    missing_eval = sum(e - r["num_evaluated"] for e, r in zip(expected, rows))
+    summary = {
+        "command": "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "clients": args.clients, "fraction": args.fraction, "rounds": args.rounds,
+        "failure_rate": args.failure_rate, "wall_seconds": round(wall, 1),
+        "train_replies_missing": missing_train, "train_calls": sum(expected),
+        "evaluate_replies_missing": missing_eval, "failures_logged_in_process": len(failures),
+        "accuracy_first_round": rows[0]["mean_accuracy"], "accuracy_last_round": rows[-1]["mean_accuracy"],
+        "server_peak_rss_mb": {"first_5_rounds": max(r["server_peak_rss_mb"] for r in rows[:5]),
+                               "last_5_rounds": max(r["server_peak_rss_mb"] for r in rows[-5:])},
+        "workers_peak_rss_mb": {"first_5_rounds": max(r["workers_peak_rss_mb"] for r in rows[:5]),
+                                "last_5_rounds": max(r["workers_peak_rss_mb"] for r in rows[-5:])},
+        "outputs": str(out),
+    }
+    (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(rows, RESULTS / "soak.png")
+    print(json.dumps(summary, indent=2))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    rounds = [r["round"] for r in rows]
+    fig, (acc, mem) = plt.subplots(1, 2, figsize=(11, 4))
+    acc.plot(rounds, [100 * r["mean_accuracy"] for r in rows], marker=".")
+    acc.set(xlabel="round", ylabel="mean personalized accuracy (%)", title="accuracy under 10 % failures")
+    mem.plot(rounds, [r["server_peak_rss_mb"] for r in rows], label="server process")
+    mem.plot(rounds, [r["workers_peak_rss_mb"] for r in rows], label="Ray workers (all)")
+    mem.set(xlabel="round", ylabel="peak RSS in the round (MB)", title="memory per round")
+    mem.set_ylim(bottom=0)
+    mem.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Experiment grids: a TOML file of methods x settings x seeds, expanded into cells.
+
+A grid file holds defaults at the top level and one table per experiment (one paper table or
+figure). Every level may set ``rounds``, ``seeds``, ``clients``, ``alpha-rounds`` and a
+``run-config`` table of run-config overrides; the innermost wins, then the command line::
+
+    rounds = 200                    # federated rounds of every cell
+    seeds = [0, 1, 2]
+    clients = 20                    # simulated SuperNodes (num-partitions)
+    alpha-rounds = [1, 50, 200]     # rounds whose combination weights are plotted
+    [run-config]                    # overrides for every cell (keys of [tool.flwr.app.config])
+    dataset = "fashion-mnist"
+
+    [experiments.table1]
+    title = "Table 1"
+    methods = ["local", "fedavg", "fedpac"]
+    [experiments.table1.settings.100-clients]
+    clients = 100
+    run-config = { fraction-train = 0.3 }
+    paper = { fedpac = 92.72 }      # optional: the paper's number, shown next to ours
+
+A cell is one (method, setting, seed): one simulation. Cells with identical run configs and
+client counts (FedPAC with 20 clients appears in several of the paper's tables) are one cell,
+run once and reported in every experiment that lists it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, parse_run_config
+from common.methods import METHODS
+
+# Run-config keys that are the grid's own axes (or the runner's business), not overrides.
+RESERVED_KEYS = ("strategy", "seed", "num-server-rounds", "output-dir", "resume-from")
+# Config fields that differ between runs of one cell without changing what it computes.
+NOT_IDENTITY = ("output_dir", "resume_from")
+
+
+class GridError(ValueError):
+    """A grid file (or a command-line override) that cannot be run."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One simulation: a method on a setting with a seed."""
+
+    method: str
+    clients: int
+    seed: int
+    rounds: int
+    run_config: dict[str, Any]  # complete overrides, incl. strategy, seed and num-server-rounds
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What the cell computes: the validated config (defaults filled in) and client count."""
+        config = asdict(parse_run_config(self.run_config))
+        for name in NOT_IDENTITY:
+            config.pop(name)
+        return {"clients": self.clients, "config": config}
+
+    @property
+    def key(self) -> str:
+        """A stable folder name: readable prefix + hash of the identity."""
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.method}-{self.clients}c-seed{self.seed}-{digest}"
+
+    def label(self, setting: str) -> str:
+        return f"{setting} | {self.method} | seed {self.seed}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One column of an experiment's table: a client count and run-config overrides."""
+
+    name: str
+    clients: int
+    run_config: dict[str, Any]
+    paper: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One paper table or figure: methods x settings x seeds, reported together."""
+
+    name: str
+    title: str
+    methods: list[str]
+    settings: list[Setting]
+    seeds: list[int]
+    rounds: int
+    alpha_rounds: list[int]
+
+    def cell(self, setting: Setting, method: str, seed: int) -> Cell:
+        run_config = {
+            **setting.run_config,
+            "strategy": method,
+            "seed": seed,
+            "num-server-rounds": self.rounds,
+        }
+        return Cell(method=method, clients=setting.clients, seed=seed, rounds=self.rounds, run_config=run_config)
+
+    def cells(self) -> list[tuple[Setting, Cell]]:
+        """Every (setting, cell), settings outermost, then methods, then seeds."""
+        return [
+            (setting, self.cell(setting, method, seed))
+            for setting in self.settings
+            for method in self.methods
+            for seed in self.seeds
+        ]
+
+
+@dataclass(frozen=True)
+class Overrides:  # pylint: disable=too-many-instance-attributes
+    """Command-line choices that take precedence over the grid file."""
+
+    rounds: int | None = None
+    seeds: list[int] | None = None
+    experiments: list[str] | None = None
+    methods: list[str] | None = None
+    settings: list[str] | None = None
+    run_config: dict[str, Any] = field(default_factory=dict)
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GridError(f"{where} must be a positive integer, got {value!r}")
+    return value
+
+
+def _int_list(value: Any, where: str, minimum: int) -> list[int]:
+    if not isinstance(value, list) or not value or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+    ):
+        raise GridError(f"{where} must be a non-empty list of integers >= {minimum}, got {value!r}")
+    return list(value)
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise GridError(f"{where} must be a table, got {value!r}")
+    return dict(value)
+
+
+def _check_run_config(overrides: dict[str, Any], where: str) -> None:
+    reserved = sorted(set(overrides) & set(RESERVED_KEYS))
+    if reserved:
+        raise GridError(f"{where}: {', '.join(reserved)} are set by the grid itself "
+                        "(methods, seeds, rounds) or by the runner (output folders)")
+
+
+_LEVEL_KEYS = {"rounds", "seeds", "clients", "alpha-rounds", "run-config"}
+
+
+def _level(table: dict[str, Any], inherited: dict[str, Any], where: str, extra: set[str]) -> dict[str, Any]:
+    """Merge one level of the grid file into the inherited defaults."""
+    unknown = sorted(set(table) - _LEVEL_KEYS - extra)
+    if unknown:
+        raise GridError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    merged = dict(inherited)
+    if "rounds" in table:
+        merged["rounds"] = _positive_int(table["rounds"], f"{where}.rounds")
+    if "seeds" in table:
+        merged["seeds"] = _int_list(table["seeds"], f"{where}.seeds", 0)
+    if "clients" in table:
+        merged["clients"] = _positive_int(table["clients"], f"{where}.clients")
+    if "alpha-rounds" in table:
+        merged["alpha-rounds"] = _int_list(table["alpha-rounds"], f"{where}.alpha-rounds", 1)
+    if "run-config" in table:
+        overrides = _table(table["run-config"], f"{where}.run-config")
+        _check_run_config(overrides, f"{where}.run-config")
+        merged["run-config"] = {**merged.get("run-config", {}), **overrides}
+    return merged
+
+
+def _methods(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
+        raise GridError(f"{where} must be a non-empty list of method names")
+    unknown = [m for m in value if m not in METHODS]
+    if unknown:
+        raise GridError(f"{where}: unknown method(s) {', '.join(unknown)}; one of {', '.join(METHODS)}")
+    return list(value)
+
+
+def _select(names: list[str], wanted: list[str] | None) -> list[str]:
+    return names if wanted is None else [n for n in names if n in wanted]
+
+
+def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment]:
+    """Read, merge and validate a grid file; every cell's run config is checked up front, so
+    a typo fails before the first simulation rather than hours into the grid."""
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise GridError(f"cannot read grid file {path}: {err}") from err
+    _check_run_config(overrides.run_config, "--set")
+    top = _level(document, {"seeds": [0], "alpha-rounds": [], "run-config": {}}, "grid", {"experiments"})
+    tables = _table(document.get("experiments"), "experiments")
+    if not tables:
+        raise GridError(f"{path}: no [experiments.<name>] table")
+    missing = sorted(set(overrides.experiments or []) - set(tables))
+    if missing:
+        raise GridError(f"unknown experiment(s) {', '.join(missing)}; the grid has {', '.join(tables)}")
+    unknown_methods = sorted(set(overrides.methods or []) - set(METHODS))
+    if unknown_methods:
+        raise GridError(f"unknown method(s) {', '.join(unknown_methods)}; one of {', '.join(METHODS)}")
+    experiments = []
+    for name in _select(list(tables), overrides.experiments):
+        where = f"experiments.{name}"
+        table = _table(tables[name], where)
+        level = _level(table, top, where, {"title", "methods", "settings"})
+        methods = _select(_methods(table.get("methods"), f"{where}.methods"), overrides.methods)
+        settings = []
+        for setting_name, raw in _table(table.get("settings"), f"{where}.settings").items():
+            if overrides.settings is not None and setting_name not in overrides.settings:
+                continue
+            setting_where = f"{where}.settings.{setting_name}"
+            setting_table = _table(raw, setting_where)
+            merged = _level(setting_table, level, setting_where, {"paper"})
+            if "clients" not in merged:
+                raise GridError(f"{setting_where}: no 'clients' here or above")
+            paper = _table(setting_table.get("paper", {}), f"{setting_where}.paper")
+            settings.append(Setting(setting_name, merged["clients"],
+                                    {**merged["run-config"], **overrides.run_config},
+                                    {k: float(v) for k, v in paper.items()}))
+        if "rounds" not in level and overrides.rounds is None:
+            raise GridError(f"{where}: no 'rounds' here or above (or --rounds)")
+        rounds = overrides.rounds or level["rounds"]
+        experiment = Experiment(
+            name=name,
+            title=str(table.get("title", name)),
+            methods=methods,
+            settings=settings,
+            seeds=overrides.seeds or level["seeds"],
+            rounds=rounds,
+            # plotted rounds beyond a shortened run move to its last round
+            alpha_rounds=sorted({min(r, rounds) for r in level["alpha-rounds"]}),
+        )
+        for setting, cell in experiment.cells():
+            try:
+                parse_run_config(cell.run_config)
+            except ConfigError as err:
+                raise GridError(f"{where}.settings.{setting.name}: {err}") from err
+        experiments.append(experiment)
+    return experiments
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``key=value`` from the command line; the value is read as TOML (``x=0.3``, ``d='a'``)
+    and taken as a plain string when it is not valid TOML (``dataset=fashion-mnist``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise GridError(f"--set expects key=value, got {text!r}")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return key.strip(), parsed

@@ -1,0 +1,303 @@
+"""``fedpac-experiments``: run a grid of methods x settings x seeds and report every experiment.
+
+Each cell is one simulation of the project's real ServerApp and ClientApps on Flower's
+Simulation Runtime, in a fresh process (``experiments.simulation``), writing its usual run
+folder under ``<out>/cells/<cell>/``. A cell counts as finished only when a run folder holds
+*all* its rounds and the final state (a simulation's exit status alone is not trusted), so:
+
+* re-running the same command skips finished cells (the grid resumes where it stopped);
+* a cell whose run stopped half-way continues from its checkpoint (``resume-from``) instead of
+  starting over;
+* a failed cell is reported (with its log) and the grid goes on with the next one.
+
+After every cell the affected experiments' reports are rewritten (``experiments.summary``), so
+partial results of a long grid are readable while it runs. Example::
+
+    fedpac-experiments experiments/grids/fmnist-paper.toml --rounds 50 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment
+from experiments.summary import Results, finished_run, resumable_run, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (cell, its folder, run folder to resume from or None, log file) -> exit status
+Executor = Callable[[Cell, Path, "Path | None", Path], int]
+
+
+@dataclass(frozen=True)
+class SimulationOptions:
+    """How cells are simulated: resources per simulated client and a wall-clock limit."""
+
+    cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0
+    timeout: float | None = None  # seconds per cell; None: no limit
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a cell's process group: SIGINT first so that Ray shuts down cleanly, then harder."""
+    for sig, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def simulate(cell: Cell, directory: Path, resume_from: Path | None, log_path: Path,
+             options: SimulationOptions = SimulationOptions()) -> int:
+    """Run one cell in a fresh Python process (own Ray instance); returns its exit status."""
+    run_config = {**cell.run_config, "output-dir": str(directory.resolve())}
+    if resume_from is not None:
+        run_config["resume-from"] = str(resume_from.resolve())
+    command = [
+        sys.executable, "-m", "experiments.simulation",
+        "--run-config", json.dumps(run_config),
+        "--clients", str(cell.clients),
+        "--cpus-per-client", str(options.cpus_per_client),
+        "--gpus-per-client", str(options.gpus_per_client),
+    ]
+    env = dict(os.environ)
+    # Ray's workers import the apps: make the project importable even when it is not installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[:3])} "
+                  f"{json.dumps(run_config)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # its own group: stoppable as a whole
+        try:
+            return process.wait(timeout=options.timeout)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            log.write(f"\n===== stopped after the {options.timeout:.0f}s limit\n".encode())
+            return 124
+        except KeyboardInterrupt:
+            _stop(process)
+            raise
+
+
+# ---------------------------------------------------------------------------- the grid
+
+
+@dataclass
+class PlannedCell:
+    """A unique cell and every (experiment, setting) that reports it."""
+
+    cell: Cell
+    uses: list[tuple[Experiment, str]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        experiment, setting = self.uses[0]
+        more = f" (+{len(self.uses) - 1} more)" if len(self.uses) > 1 else ""
+        return f"{experiment.name}/{self.cell.label(setting)}{more}"
+
+
+def plan(experiments: list[Experiment]) -> list[PlannedCell]:
+    """Unique cells in grid order; identical cells of different experiments run once."""
+    planned: dict[str, PlannedCell] = {}
+    for experiment in experiments:
+        for setting, cell in experiment.cells():
+            planned.setdefault(cell.key, PlannedCell(cell)).uses.append((experiment, setting.name))
+    return list(planned.values())
+
+
+def cell_directory(out: Path, cell: Cell) -> Path:
+    return out / "cells" / cell.key
+
+
+def results_of(experiment: Experiment, out: Path) -> Results:
+    """The experiment's finished cells, by (setting, method, seed)."""
+    results: Results = {}
+    for setting, cell in experiment.cells():
+        run = finished_run(cell_directory(out, cell), cell)
+        if run is not None:
+            results[(setting.name, cell.method, cell.seed)] = run
+    return results
+
+
+def report(experiment: Experiment, out: Path) -> Path:
+    """Rewrite one experiment's report from its finished cells; returns its folder."""
+    directory = out / experiment.name
+    write_report(experiment, results_of(experiment, out), directory)
+    return directory
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join("      " + line for line in text[-lines:])
+
+
+def _write_cell_file(directory: Path, cell: Cell) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    document = {"method": cell.method, "clients": cell.clients, "seed": cell.seed, "rounds": cell.rounds,
+                "run-config": cell.run_config, "identity": cell.identity}
+    (directory / "cell.json").write_text(json.dumps(document, indent=2))
+
+
+def run_grid(  # pylint: disable=too-many-locals
+    experiments: list[Experiment],
+    out: Path,
+    execute: Executor,
+    log: Callable[[str], None] = print,
+) -> list[PlannedCell]:
+    """Run every unfinished cell, reporting after each; returns the cells that failed."""
+    cells = plan(experiments)
+    total, started, executed_seconds, executed = len(cells), time.time(), 0.0, 0
+    log(f"{total} cells in {len(experiments)} experiment(s); outputs in {out}")
+    failed = []
+    for index, planned in enumerate(cells, start=1):
+        cell = planned.cell
+        directory = cell_directory(out, cell)
+        prefix = f"[{index}/{total}] {planned.label}"
+        done = finished_run(directory, cell)
+        if done is not None:
+            log(f"{prefix}: finished before, skipped (final accuracy {done.final_accuracy:.2f}%)")
+            continue
+        _write_cell_file(directory, cell)
+        partial = resumable_run(directory, cell)
+        if partial is not None:
+            log(f"{prefix}: resuming after round {partial.completed_rounds}/{cell.rounds} from {partial.directory.name}")
+        cell_started = time.time()
+        status = execute(cell, directory, None if partial is None else partial.directory, directory / "cell.log")
+        seconds = time.time() - cell_started
+        executed_seconds, executed = executed_seconds + seconds, executed + 1
+        done = finished_run(directory, cell)
+        elapsed = _duration(time.time() - started)
+        remaining = executed_seconds / executed * (total - index)
+        if done is None:
+            failed.append(planned)
+            log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "
+                f"log: {directory / 'cell.log'}\n{_log_tail(directory / 'cell.log')}")
+            continue
+        log(f"{prefix}: done in {_duration(seconds)}, final accuracy {done.final_accuracy:.2f}% | "
+            f"elapsed {elapsed}, at most ~{_duration(remaining)} left")
+        for experiment in {id(e): e for e, _ in planned.uses}.values():
+            report(experiment, out)
+    for experiment in experiments:
+        log(f"{experiment.name}: report in {report(experiment, out)}")
+    if failed:
+        log(f"{len(failed)} of {total} cells failed; run the same command again to retry them")
+    return failed
+
+
+def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None] = print) -> None:
+    """List the cells and their state without running anything (--dry-run)."""
+    cells = plan(experiments)
+    for index, planned in enumerate(cells, start=1):
+        directory = cell_directory(out, planned.cell)
+        done, partial = finished_run(directory, planned.cell), resumable_run(directory, planned.cell)
+        state = ("finished" if done else f"resumable after round {partial.completed_rounds}" if partial
+                 else "to run")
+        log(f"[{index}/{len(cells)}] {planned.label}: {planned.cell.clients} clients, "
+            f"{planned.cell.rounds} rounds: {state}")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _names(text: str | None) -> list[str] | None:
+    return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    try:
+        return None if text is None else [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise GridError(f"--seeds expects integers separated by commas, got {text!r}") from err
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(
+        prog="fedpac-experiments",
+        description="Run a grid of FedPAC experiments (methods x settings x seeds) as Flower "
+                    "simulations, resumably, and write summary.csv, table.md, accuracy.png and "
+                    "alpha heatmaps per experiment.",
+    )
+    cli.add_argument("grid", type=Path, help="grid file (TOML), e.g. experiments/grids/fmnist-paper.toml")
+    cli.add_argument("--out", type=Path, help="output folder (default: outputs/experiments/<grid name>)")
+    cli.add_argument("--rounds", type=int, help="rounds of every cell, instead of the grid's (e.g. 50 on a CPU)")
+    cli.add_argument("--seeds", help="seeds instead of the grid's, e.g. 0,1,2")
+    cli.add_argument("--experiments", help="only these experiments, e.g. table1,table3")
+    cli.add_argument("--methods", help="only these methods, e.g. fedavg,fedpac")
+    cli.add_argument("--settings", help="only these settings, e.g. 20-clients")
+    cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="run-config override for every cell, e.g. --set data-dir=/data/fmnist (repeatable)")
+    cli.add_argument("--cpus-per-client", type=float, default=1.0, help="Ray CPUs per simulated client")
+    cli.add_argument("--gpus-per-client", type=float, default=0.0, help="Ray GPU share per simulated client")
+    cli.add_argument("--timeout", type=float, help="wall-clock limit per cell, in seconds")
+    cli.add_argument("--dry-run", action="store_true", help="list the cells and their state, run nothing")
+    cli.add_argument("--report-only", action="store_true", help="rewrite the reports from finished cells")
+    return cli
+
+
+def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
+    """Console entry point; returns 0 when every cell finished, 1 when some failed, 2 on a bad grid."""
+    args = parser().parse_args(argv)
+    try:
+        if args.rounds is not None and args.rounds < 1:
+            raise GridError(f"--rounds must be >= 1, got {args.rounds}")
+        overrides = Overrides(
+            rounds=args.rounds,
+            seeds=_seeds(args.seeds),
+            experiments=_names(args.experiments),
+            methods=_names(args.methods),
+            settings=_names(args.settings),
+            run_config=dict(parse_assignment(text) for text in args.set),
+        )
+        experiments = load_grid(args.grid, overrides)
+    except GridError as err:
+        print(f"fedpac-experiments: {err}", file=sys.stderr)
+        return 2
+    out = (args.out or Path("outputs") / "experiments" / args.grid.stem).resolve()
+    if args.dry_run:
+        describe(experiments, out)
+        return 0
+    if args.report_only:
+        for experiment in experiments:
+            print(f"{experiment.name}: report in {report(experiment, out)}")
+        return 0
+    options = SimulationOptions(args.cpus_per_client, args.gpus_per_client, args.timeout)
+
+    def default_execute(cell: Cell, directory: Path, resume_from: Path | None, log_path: Path) -> int:
+        return simulate(cell, directory, resume_from, log_path, options)
+
+    try:
+        failed = run_grid(experiments, out, execute or default_execute, log=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("fedpac-experiments: interrupted; run the same command again to resume the grid", file=sys.stderr)
+        return 130
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

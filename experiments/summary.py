@@ -1,0 +1,235 @@
+"""Reading finished cells and writing an experiment's report.
+
+Per experiment: ``summary.csv`` (method, setting, clients, rounds, seeds, mean, std of the final
+personalized accuracy over seeds, in %), ``table.md`` (methods x settings, with the paper's
+numbers where the grid gives them), ``accuracy.png`` (mean personalized accuracy per round, one
+panel per setting, every method in it, mean over seeds with a +-1 std band) and
+``alpha/<setting>-<method>-seed<s>-round<r>.png`` (combination weights at the grid's chosen
+rounds, for the methods that have them).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
+from matplotlib.ticker import MaxNLocator  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+
+from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
+from experiments.grid import NOT_IDENTITY, Cell, Experiment  # noqa: E402  pylint: disable=wrong-import-position
+from server_app.report import atomic_write, plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
+
+SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """What one run folder (``<timestamp>-run<id>``) holds, as far as the runner cares."""
+
+    directory: Path
+    config: dict[str, Any]
+    rounds: list[dict[str, Any]]  # metrics.json's per-round records
+    written: float  # when metrics.json was last rewritten
+
+    @property
+    def completed_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def finished(self) -> bool:
+        """The run ended normally: its final state is written (only after the last round)."""
+        return (self.directory / "final_state.npz").is_file()
+
+    @property
+    def resumable(self) -> bool:
+        return (self.directory / "checkpoint.npz").is_file()
+
+    @property
+    def final_accuracy(self) -> float:
+        """The last round's mean personalized accuracy, in %."""
+        return 100.0 * float(self.rounds[-1]["mean_accuracy"]) if self.rounds else math.nan
+
+    def accuracy_curve(self) -> tuple[list[int], list[float]]:
+        """(round, mean personalized accuracy in %) for every evaluated round."""
+        points = [(r["round"], 100.0 * r["mean_accuracy"]) for r in self.rounds
+                  if r.get("accuracy") and r.get("mean_accuracy") is not None]
+        return [p[0] for p in points], [p[1] for p in points]
+
+
+def read_run(directory: Path) -> RunOutputs | None:
+    """A run folder's outputs, or None when it has no readable metrics.json (a run that died
+    before its first round, or a foreign folder)."""
+    path = directory / "metrics.json"
+    try:
+        document = json.loads(path.read_text())
+        return RunOutputs(directory, document["config"], document["rounds"], path.stat().st_mtime)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _same_cell(config: dict[str, Any], cell: Cell) -> bool:
+    stored = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    return stored == cell.identity["config"]
+
+
+def cell_runs(directory: Path, cell: Cell) -> list[RunOutputs]:
+    """The runs in a cell's folder that computed exactly this cell, oldest first."""
+    if not directory.is_dir():
+        return []
+    runs = (read_run(d) for d in directory.iterdir() if d.is_dir())
+    return sorted((r for r in runs if r is not None and _same_cell(r.config, cell)), key=lambda r: r.written)
+
+
+def finished_run(directory: Path, cell: Cell) -> RunOutputs | None:
+    """The latest run of the cell with all its rounds and its final state, if any."""
+    done = [r for r in cell_runs(directory, cell) if r.finished and r.completed_rounds >= cell.rounds]
+    return done[-1] if done else None
+
+
+def resumable_run(directory: Path, cell: Cell) -> RunOutputs | None:
+    """The latest unfinished run of the cell that left a checkpoint (a stopped or crashed run)."""
+    partial = [r for r in cell_runs(directory, cell)
+               if r.resumable and not r.finished and 0 < r.completed_rounds < cell.rounds]
+    return partial[-1] if partial else None
+
+
+# ---------------------------------------------------------------------------- report
+
+
+Results = dict[tuple[str, str, int], RunOutputs]  # (setting, method, seed) -> finished run
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (std undefined for one seed)."""
+    array = np.asarray(values, dtype=np.float64)
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else math.nan
+
+
+def summary_rows(experiment: Experiment, results: Results) -> list[dict[str, Any]]:
+    """One row per (method, setting) with at least one finished seed."""
+    rows = []
+    for setting in experiment.settings:
+        for method in experiment.methods:
+            finals = [results[(setting.name, method, s)].final_accuracy
+                      for s in experiment.seeds if (setting.name, method, s) in results]
+            if not finals:
+                continue
+            mean, std = _mean_std(finals)
+            rows.append({"method": method, "setting": setting.name, "clients": setting.clients,
+                         "rounds": experiment.rounds, "seeds": len(finals),
+                         "mean": round(mean, 4), "std": "" if math.isnan(std) else round(std, 4)})
+    return rows
+
+
+def summary_csv(rows: list[dict[str, Any]]) -> bytes:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue().encode()
+
+
+def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
+    """Methods x settings, "mean ± std" over seeds, the paper's value in parentheses."""
+    by_cell = {(r["method"], r["setting"]): r for r in rows}
+    header = "| method | " + " | ".join(f"{s.name} ({s.clients} clients)" for s in experiment.settings) + " |"
+    lines = [
+        f"# {experiment.title}",
+        "",
+        f"Final mean personalized test accuracy (%) after {experiment.rounds} rounds, mean ± std over "
+        f"the seeds {', '.join(map(str, experiment.seeds))} (n = seeds finished); paper's value in parentheses.",
+        "",
+        header,
+        "|---" * (len(experiment.settings) + 1) + "|",
+    ]
+    for method in experiment.methods:
+        cells = []
+        for setting in experiment.settings:
+            row = by_cell.get((method, setting.name))
+            text = "–"
+            if row is not None:
+                text = f"{row['mean']:.2f}" + (f" ± {row['std']:.2f}" if row["std"] != "" else "")
+                text += f" (n={row['seeds']})"
+            if method in setting.paper:
+                text += f" ({setting.paper[method]:.2f})"
+            cells.append(text)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
+    """Mean personalized accuracy per round: a panel per setting, a line per method."""
+    count = len(experiment.settings)
+    columns = min(count, 3)
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.9 * rows), squeeze=False)
+    for ax, setting in zip(axes.flat, experiment.settings):
+        for method in experiment.methods:
+            curves = [results[(setting.name, method, s)].accuracy_curve()
+                      for s in experiment.seeds if (setting.name, method, s) in results]
+            if not curves:
+                continue
+            length = min(len(c[0]) for c in curves)  # all seeds have every round when finished
+            x = curves[0][0][:length]
+            values = np.array([c[1][:length] for c in curves])
+            mean = values.mean(axis=0)
+            line, = ax.plot(x, mean, label=f"{method} ({mean[-1]:.1f})")
+            if len(curves) > 1:
+                std = values.std(axis=0, ddof=1)
+                ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{setting.name} ({setting.clients} clients)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.set_ylabel("personalized test accuracy (%)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="lower right", fontsize=8)
+    for ax in list(axes.flat)[count:]:
+        ax.set_visible(False)
+    fig.suptitle(experiment.title)
+    save_figure(fig, path)
+
+
+def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> list[Path]:
+    """Combination-weight heatmaps at the chosen rounds, first seed, methods with alpha only."""
+    written = []
+    for setting in experiment.settings:
+        for method in (m for m in experiment.methods if METHODS[m].has_alpha):
+            seed = next((s for s in experiment.seeds if (setting.name, method, s) in results), None)
+            if seed is None:
+                continue
+            run = results[(setting.name, method, seed)]
+            by_round = {r["round"]: r for r in run.rounds}
+            for number in experiment.alpha_rounds:
+                record = by_round.get(number)
+                if record is None or not record.get("alpha"):
+                    continue
+                groups = {int(pid): g for pid, g in record.get("group", {}).items()}
+                path = directory / f"{setting.name}-{method}-seed{seed}-round{number}.png"
+                directory.mkdir(parents=True, exist_ok=True)
+                plot_alpha(record["alpha"], record["alpha_partitions"], number,
+                           lambda pid, groups=groups: groups.get(pid, 0), path,
+                           title=f"{method}, {setting.name}: alpha at round {number}")
+                written.append(path)
+    return written
+
+
+def write_report(experiment: Experiment, results: Results, directory: Path) -> list[dict[str, Any]]:
+    """Rewrite the experiment's summary.csv, table.md, accuracy.png and alpha heatmaps."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(experiment, results)
+    atomic_write(directory / "summary.csv", summary_csv(rows))
+    atomic_write(directory / "table.md", markdown_table(experiment, rows).encode())
+    plot_accuracy(experiment, results, directory / "accuracy.png")
+    plot_alphas(experiment, results, directory / "alpha")
+    return rows

@@ -1,0 +1,201 @@
+"""A real Flower deployment for tests: a SuperLink and SuperNodes as separate processes, started
+with the user-facing scripts deploy/superlink.sh and deploy/supernode.sh (TLS and SuperNode
+authentication on), driven with `flwr run . <federation>` like a user's workstation.
+
+Each process runs on a "host": the local machine, or a network namespace (``prefix`` is the
+command that enters it), so the same federation runs on localhost and across a virtual network.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+FEDERATION = "fedpac-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def create_certificates(directory: Path, num_nodes: int, *sans: str) -> Path:
+    subprocess.run(
+        ["bash", str(ROOT / "deploy" / "certs.sh"), "create", "--out", str(directory),
+         "--clients", str(num_nodes), *[arg for san in sans for arg in ("--san", san)]],
+        check=True, capture_output=True,
+    )
+    return directory
+
+
+class Workstation:
+    """A user's `flwr` CLI with its own FLWR_HOME naming one federation (TLS, own CA)."""
+
+    def __init__(self, home: Path, address: str, ca_cert: Path,
+                 prefix: Callable[[str], list[str]] = lambda host: []) -> None:
+        self.prefix = prefix
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{FEDERATION}"\n\n[superlink.{FEDERATION}]\n'
+            f'address = "{address}"\nroot-certificates = "{ca_cert}"\n'
+        )
+
+    def flwr_result(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.prefix("workstation"), str(BIN / "flwr"), *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def flwr(self, *args: str, timeout: float = 120) -> str:
+        result = self.flwr_result(*args, timeout=timeout)
+        if result.returncode:
+            raise RuntimeError(f"flwr {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def wait_until_reachable(self, timeout: float = 90, alive: Callable[[], bool] = lambda: True) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and alive():
+            if self.flwr_result("supernode", "ls", FEDERATION).returncode == 0:
+                return
+            time.sleep(1)
+        raise RuntimeError("the SuperLink's Control API is not reachable")
+
+    def register(self, keys: Path, *node_ids: int) -> None:
+        for pid in node_ids:
+            self.flwr("supernode", "register", str(keys / f"supernode-{pid}.pub"), FEDERATION)
+
+    def submit(self, run_config: str) -> str:
+        out = self.flwr("run", str(ROOT), FEDERATION, "--format", "json", "--run-config", run_config)
+        return str(json.loads(out[out.index("{"):])["run-id"])
+
+    def status(self, run_id: str) -> str:
+        out = self.flwr("ls", FEDERATION, "--run-id", run_id, "--format", "json")
+        return json.loads(out[out.index("{"):])["runs"][0]["status"]
+
+    def wait(self, run_id: str, timeout: float = 600) -> str:
+        deadline, status = time.monotonic() + timeout, "unknown"
+        while time.monotonic() < deadline:
+            status = self.status(run_id)
+            if status.startswith("finished"):
+                return status
+            time.sleep(2)
+        raise AssertionError(f"run {run_id} still {status} after {timeout}s")
+
+    def log(self, run_id: str) -> str:
+        return self.flwr_result("log", run_id, FEDERATION, "--show").stdout
+
+
+class Federation(Workstation):
+    """SuperLink + SuperNodes as processes, each on a host given by ``prefix``, and a workstation."""
+
+    def __init__(  # pylint: disable=too-many-arguments
+        self,
+        workdir: Path,
+        certs: Path,
+        num_nodes: int,
+        *,
+        prefix: Callable[[str], list[str]] = lambda host: [],
+        superlink_name: str = "127.0.0.1",
+        bind: str = "127.0.0.1",
+        ports: tuple[int, int] | None = None,
+    ) -> None:
+        self.workdir, self.certs, self.num_nodes = workdir, certs, num_nodes
+        self.fleet_port, self.control_port = ports or (free_port(), free_port())
+        self.fleet_address = f"{superlink_name}:{self.fleet_port}"
+        super().__init__(workdir / "flwr-home", f"{superlink_name}:{self.control_port}", certs / "ca.crt", prefix)
+        self.superlink = self._spawn("superlink", "superlink", [
+            str(ROOT / "deploy" / "superlink.sh"), "--certs", str(certs), "--state", str(workdir / "state"),
+            "--fleet-address", f"{bind}:{self.fleet_port}", "--control-address", f"{bind}:{self.control_port}",
+        ])
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        try:
+            self.wait_until_reachable(alive=lambda: self.superlink.poll() is None)
+        except RuntimeError as err:
+            self.close()
+            raise RuntimeError(f"{err}:\n{self.read_log('superlink')[-3000:]}") from err
+
+    def _spawn(self, host: str, name: str, command: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115  # closed with the process
+        return subprocess.Popen([*self.prefix(host), *command], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def read_log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def register(self, *node_ids: int) -> None:  # type: ignore[override]
+        super().register(self.certs / "keys", *node_ids)
+
+    def start_node(self, pid: int, *, data_path: Path | None = None, key: int | None = None,
+                   restarts: int = 18) -> subprocess.Popen:
+        """SuperNode ``pid`` (authenticating with key ``key``, by default its own)."""
+        key_file = self.certs / "keys" / f"supernode-{pid if key is None else key}"
+        command = [str(ROOT / "deploy" / "supernode.sh"), "--superlink", self.fleet_address,
+                   "--ca", str(self.certs / "ca.crt"), "--key", str(key_file),
+                   "--partition-id", str(pid), "--num-partitions", str(self.num_nodes),
+                   "--port", str(free_port()), "--restarts", str(restarts)]
+        if data_path is not None:
+            command += ["--data-path", str(data_path)]
+        self.supernodes[pid] = self._spawn(f"node-{pid}", f"supernode-{pid}", command)
+        return self.supernodes[pid]
+
+    def signal_node(self, pid: int, signum: signal.Signals) -> None:
+        """Signal SuperNode ``pid``'s whole process group (the node and its ClientApp)."""
+        os.killpg(self.supernodes[pid].pid, signum)
+        if signum == signal.SIGKILL:
+            self.supernodes[pid].wait()
+
+    def close(self) -> None:
+        processes = [*self.supernodes.values(), self.superlink]
+        for process in processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGCONT)
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def run_dir(out: Path) -> Path:
+    (directory,) = [d for d in out.iterdir() if d.is_dir()]
+    return directory
+
+
+def rounds_of(out: Path) -> list[dict]:
+    """rounds.csv of the one run under ``out`` (empty until the first round is written)."""
+    if not out.exists() or not any(d.is_dir() for d in out.iterdir()):
+        return []
+    path = run_dir(out) / "rounds.csv"
+    return list(csv.DictReader(path.open())) if path.exists() else []
+
+
+def wait_for_rounds(out: Path, count: int, timeout: float = 300) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rounds = rounds_of(out)
+        if len(rounds) >= count:
+            return rounds
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} rounds in {out} after {timeout}s")

@@ -1,0 +1,347 @@
+"""The paper's baselines and ablations: one strategy, one client, a method description each.
+
+Every method runs end to end through the real ClientApp (in-process federation); FedAvg's
+aggregate is checked against a weighted mean computed by hand; FedPer, FedRep and the
+alignment-only ablation keep every head local; Local-only keeps every whole model local; and
+each method sends and accepts only the records its server step uses.
+"""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from client_app.app import app as client_app
+from client_app.train import local_update
+from common import protocol as p
+from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.methods import METHODS, Rule
+from common.model import FedPACNet, split_state
+from federation import InProcessGrid
+from server_app.app import initial_model, run_fedpac
+from server_app.checkpoint import load_checkpoint
+from server_app.strategy import FedPAC
+
+RUN_CONFIG = {
+    "samples-per-client": 60,
+    "test-samples-per-client": 30,
+    "local-epochs": 1,
+    "batch-size": 20,
+    "fedrep-head-epochs": 2,
+}
+
+
+def _config(strategy, **extra):
+    return {**RUN_CONFIG, "strategy": strategy, **extra}
+
+
+def _strategy(run_config):
+    cfg = parse_run_config(run_config)
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    strategy = FedPAC(initial_head=head, num_rounds=cfg.num_server_rounds, seed=cfg.seed,
+                      method=METHODS[cfg.strategy])
+    return strategy, extractor
+
+
+class Recorder:
+    """A tamper hook that keeps a copy of every training reply's records, by partition-id."""
+
+    def __init__(self):
+        self.train: dict[int, RecordDict] = {}
+
+    def __call__(self, reply, pid):
+        if reply.metadata.message_type == MessageType.TRAIN and reply.has_content():
+            self.train[pid] = reply.content
+        return reply
+
+
+def _train_round(strategy, grid, extractor, server_round=1):
+    messages = list(strategy.configure_train(server_round, p.to_record(extractor), ConfigRecord(), grid))
+    replies = grid.send_and_receive(messages)
+    return messages, strategy.aggregate_train(server_round, replies)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
+    method = METHODS[name]
+    config = _config(name, **{"num-server-rounds": 2, "output-dir": str(tmp_path)})
+    recorder = Recorder()
+    grid = InProcessGrid(config, 3, tamper=recorder)
+    strategy, report = run_fedpac(grid, parse_run_config(config), 1)
+
+    assert [r.round for r in report.rounds] == [1, 2]
+    for record in report.rounds:
+        assert sorted(record.accuracy) == [0, 1, 2] and sorted(record.train) == [0, 1, 2]
+        assert all(0.0 <= a <= 1.0 for a in record.accuracy.values())
+        assert all(np.isfinite(m["train-loss"]) for m in record.train.values())
+        # alpha exists exactly for the methods that mix heads, one row per trained client
+        assert (len(record.alpha) == 3) == method.has_alpha
+        if method.has_alpha:
+            np.testing.assert_allclose(np.sum(record.alpha, axis=1), 1.0)
+    # clients send statistics only when the server step uses them, and only the ones it uses
+    for content in recorder.train.values():
+        assert (p.STATISTICS in content) == method.sends_class_counts
+        if method.sends_class_counts:
+            sent = set(p.from_record(content[p.STATISTICS]))
+            assert (p.CENTROID_VALUES in sent) == method.needs_centroids
+            assert (p.H in sent) == method.needs_statistics
+        assert (p.V in content[p.METRICS]) == method.needs_statistics
+    # the server sends centroids only to methods that align features
+    train_messages = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert all((p.CENTROIDS in m.content) == method.needs_centroids for m in train_messages)
+
+    (run_dir,) = tmp_path.iterdir()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["config"]["strategy"] == name and len(metrics["rounds"]) == 2
+    assert (run_dir / "alpha.png").exists() == method.has_alpha
+    assert (run_dir / "accuracy.png").exists() and (run_dir / "final_state.npz").exists()
+    checkpoint = load_checkpoint(run_dir)
+    assert checkpoint.strategy == name and checkpoint.completed_rounds == 2
+    # the server state that the method keeps, keyed by partition-id
+    initial_extractor, initial_head = split_state(
+        {k: v.numpy() for k, v in initial_model(parse_run_config(config)).state_dict().items()})
+    if method.extractor is Rule.LOCAL:
+        assert sorted(strategy.local_extractors) == [0, 1, 2]
+        assert sorted(checkpoint.client_extractors) == [0, 1, 2]
+    else:
+        assert not strategy.local_extractors
+        assert not np.array_equal(strategy.extractor["extractor.0.weight"], initial_extractor["extractor.0.weight"])
+    if method.head is Rule.AVERAGE:
+        assert not strategy.heads and checkpoint.global_head is not None
+        assert not np.array_equal(strategy.global_head["head.weight"], initial_head["head.weight"])
+    else:
+        assert sorted(strategy.heads) == [0, 1, 2] and checkpoint.global_head is None
+
+
+# ---------------------------------------------------------------------------- FedAvg
+
+
+def _reply(msg: Message, arrays: dict, num_examples: int, pid: int) -> Message:
+    content = RecordDict({
+        p.ARRAYS: p.to_record(arrays),
+        p.METRICS: MetricRecord({p.PARTITION_ID: pid, p.NUM_EXAMPLES: num_examples, "train-loss": 1.0}),
+    })
+    return Message(content=content, reply_to=msg)
+
+
+def test_fedavg_aggregate_equals_a_hand_computed_weighted_mean():
+    config = _config("fedavg")
+    strategy, extractor = _strategy(config)
+    grid = InProcessGrid(config, 3)
+    strategy.discover(grid, timeout=60)
+    messages = list(strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid))
+    pid_of = {m.metadata.dst_node_id: grid.partition_of_node[m.metadata.dst_node_id] for m in messages}
+    template = {**extractor, **strategy.initial_head}
+    # client k sends every weight equal to k + 1 and n_k = 10, 30, 60 samples
+    sizes = {0: 10, 1: 30, 2: 60}
+    replies = [
+        _reply(m, {k: np.full_like(v, pid_of[m.metadata.dst_node_id] + 1) for k, v in template.items()},
+               sizes[pid_of[m.metadata.dst_node_id]], pid_of[m.metadata.dst_node_id])
+        for m in messages
+    ]
+    new_arrays, metrics = strategy.aggregate_train(1, reversed(replies))
+    expected = (10 * 1 + 30 * 2 + 60 * 3) / 100  # = 2.5, by hand
+    assert metrics["num-replies"] == 3
+    for value in p.from_record(new_arrays).values():  # the extractor Flower carries on
+        np.testing.assert_allclose(value, expected, rtol=1e-6)
+    for value in strategy.global_head.values():  # and the head: FedAvg averages the whole model
+        np.testing.assert_allclose(value, expected, rtol=1e-6)
+    # every node, including one that never trained, evaluates the one global model
+    grid.contexts[12345] = grid.contexts[next(iter(grid.contexts))]
+    for msg in strategy.configure_evaluate(1, new_arrays, ConfigRecord(), grid):
+        for value in p.from_record(msg.content[p.ARRAYS]).values():
+            np.testing.assert_allclose(value, expected, rtol=1e-6)
+
+
+def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires_them(caplog):
+    def add_statistics(reply, pid):
+        if pid == 1 and reply.metadata.message_type == MessageType.TRAIN:
+            reply.content[p.STATISTICS] = p.to_record({p.CLASS_COUNTS: np.full(10, 6, dtype=np.int64)})
+        return reply
+
+    config = _config("fedavg")
+    strategy, extractor = _strategy(config)
+    grid = InProcessGrid(config, 3, tamper=add_statistics)
+    with caplog.at_level(logging.WARNING):
+        _, (_, metrics) = _train_round(strategy, grid, extractor)
+    assert metrics["num-replies"] == 2 and "unexpected record(s) ['statistics']" in caplog.text
+
+    def drop_h(reply, pid):
+        if pid == 2 and reply.metadata.message_type == MessageType.TRAIN:
+            stats = p.from_record(reply.content[p.STATISTICS])
+            del stats[p.H]
+            reply.content[p.STATISTICS] = p.to_record(stats)
+        return reply
+
+    config = _config("fedpac-collab")
+    strategy, extractor = _strategy(config)
+    grid = InProcessGrid(config, 3, tamper=drop_h)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _, (_, metrics) = _train_round(strategy, grid, extractor)
+    assert metrics["num-replies"] == 2 and "statistics lack 'h'" in caplog.text
+    assert sorted(strategy.heads) == [0, 1]
+    assert not strategy.centroid_mask.any()  # collaboration only: no centroids, ever
+
+
+# ---------------------------------------------------------------------------- local heads
+
+
+@pytest.mark.parametrize("name", ["fedper", "fedrep", "fedpac-align"])
+def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
+    config = _config(name)
+    strategy, extractor = _strategy(config)
+    recorder = Recorder()
+    grid = InProcessGrid(config, 4, tamper=recorder, shuffle_replies=True)
+    _, (new_arrays, _) = _train_round(strategy, grid, extractor)
+
+    trained = {pid: p.from_record(content[p.ARRAYS]) for pid, content in recorder.train.items()}
+    assert sorted(trained) == [0, 1, 2, 3]
+    assert not np.allclose(trained[0]["head.weight"], trained[1]["head.weight"])  # a real test
+    for pid, arrays in trained.items():
+        for key in ("head.weight", "head.bias"):
+            np.testing.assert_array_equal(strategy.heads[pid][key], arrays[key])
+    # the extractor is still shared: the sample-weighted mean of the replies' extractors
+    n = {pid: content[p.METRICS][p.NUM_EXAMPLES] for pid, content in recorder.train.items()}
+    for key, value in p.from_record(new_arrays).items():
+        expected = sum(n[pid] * trained[pid][key].astype(np.float64) for pid in trained) / sum(n.values())
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
+    # next round, each node receives the global extractor and exactly its own head
+    for phase in (strategy.configure_evaluate, strategy.configure_train):
+        for msg in phase(2, new_arrays, ConfigRecord(), grid):
+            pid = grid.partition_of_node[msg.metadata.dst_node_id]
+            sent = p.from_record(msg.content[p.ARRAYS])
+            np.testing.assert_array_equal(sent["head.weight"], trained[pid]["head.weight"])
+            np.testing.assert_array_equal(sent["extractor.0.weight"], p.from_record(new_arrays)["extractor.0.weight"])
+
+
+def test_local_only_keeps_every_whole_model_local():
+    config = _config("local")
+    strategy, extractor = _strategy(config)
+    recorder = Recorder()
+    grid = InProcessGrid(config, 3, tamper=recorder)
+    _, (new_arrays, _) = _train_round(strategy, grid, extractor)
+    for key, value in p.from_record(new_arrays).items():  # nothing is averaged
+        np.testing.assert_array_equal(value, extractor[key])
+    for msg in strategy.configure_train(2, new_arrays, ConfigRecord(), grid):
+        pid = grid.partition_of_node[msg.metadata.dst_node_id]
+        sent = p.from_record(msg.content[p.ARRAYS])
+        own = p.from_record(recorder.train[pid][p.ARRAYS])
+        assert set(sent) == set(own)
+        for key, value in own.items():
+            np.testing.assert_array_equal(sent[key], value)
+
+
+# ---------------------------------------------------------------------------- client side
+
+
+def _data(n=40, seed=0):
+    torch.manual_seed(seed)
+    return FedPACNet(1, 28, 10), torch.randn(n, 1, 28, 28), torch.arange(n) % 5
+
+
+def _changed(before, module):
+    return [not torch.equal(b, a) for b, a in zip(before, module.parameters())]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(name):
+    method = METHODS[name]
+    model, x, y = _data()
+    cfg = FedPACConfig(strategy=name, local_epochs=1, batch_size=8, fedrep_head_epochs=2)
+    extractor_before = [q.detach().clone() for q in model.extractor.parameters()]
+    head_before = [q.detach().clone() for q in model.head.parameters()]
+    update = local_update(model, x, y, torch.randn(10, 128), torch.ones(10, dtype=torch.bool), cfg,
+                          torch.Generator().manual_seed(0))
+    assert all(_changed(extractor_before, model.extractor)) and all(_changed(head_before, model.head))
+    assert update.num_examples == len(x)
+    assert (update.statistics is not None) == method.needs_statistics
+    assert (update.centroids is not None) == method.needs_centroids
+    assert (update.class_counts is not None) == method.sends_class_counts
+    assert (update.align_loss is not None) == method.alignment
+    if method.alignment:
+        assert update.align_loss > 0
+    if update.class_counts is not None:
+        assert update.class_counts.tolist() == [8.0] * 5 + [0.0] * 5
+
+
+def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
+    for head_epochs in (0, 3):
+        model, x, y = _data()
+        cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=head_epochs, local_epochs=1, batch_size=8)
+        head_before = [q.detach().clone() for q in model.head.parameters()]
+        update = local_update(model, x, y, None, None, cfg, torch.Generator().manual_seed(0))
+        changed = _changed(head_before, model.head)
+        assert all(changed) if head_epochs else not any(changed)
+        assert (update.head_loss > 0) == (head_epochs > 0)
+
+
+def _evaluate(strategy, state):
+    """The real ClientApp's evaluation of ``state`` on partition 0 under ``strategy``."""
+    grid = InProcessGrid(_config(strategy), 2)
+    node = next(n for n, pid in grid.partition_of_node.items() if pid == 0)
+    msg = Message(
+        content=RecordDict({p.ARRAYS: ArrayRecord(torch_state_dict=state),
+                            p.CONFIG: ConfigRecord({p.SERVER_ROUND: 1})}),
+        message_type=MessageType.EVALUATE, dst_node_id=node,
+    )
+    return client_app(msg, grid.contexts[node]).content[p.METRICS]
+
+
+def test_fedavg_ft_fine_tunes_the_head_before_evaluating_and_is_deterministic():
+    state = initial_model(parse_run_config(RUN_CONFIG)).state_dict()
+    plain = _evaluate("fedavg", state)
+    tuned = _evaluate("fedavg-ft", state)
+    again = _evaluate("fedavg-ft", state)
+    assert tuned["loss"] < plain["loss"]  # one epoch on the client's own labels helps at once
+    assert tuned["loss"] == again["loss"] and tuned["accuracy"] == again["accuracy"]
+
+
+# ---------------------------------------------------------------------------- config, resume
+
+
+def test_unknown_strategy_is_a_config_error_naming_the_key_and_the_choices():
+    with pytest.raises(ConfigError) as err:
+        parse_run_config({"strategy": "fedprox"})
+    message = str(err.value)
+    assert "'strategy'" in message and all(name in message for name in METHODS)
+    with pytest.raises(ConfigError, match="'fedrep-head-epochs'.*>= 0"):
+        parse_run_config({"fedrep-head-epochs": -1})
+    with pytest.raises(ConfigError, match="'finetune-epochs'.*>= 0"):
+        parse_run_config({"finetune-epochs": -1})
+    assert FedPACConfig().strategy == "fedpac"
+
+
+@pytest.mark.parametrize("name", ["local", "fedavg"])
+def test_a_baseline_resumes_to_the_same_final_model(name, tmp_path):
+    base = _config(name, **{"num-server-rounds": 3, "fraction-train": 0.5})
+
+    def run(extra, grid_seed, crash_at_round=None):
+        config = {**base, **extra}
+        grid = InProcessGrid(config, 4, seed=grid_seed, crash_at_round=crash_at_round)
+        return run_fedpac(grid, parse_run_config(config), 1)
+
+    full, _ = run({"output-dir": str(tmp_path / "full")}, 1)
+    with pytest.raises(RuntimeError, match="simulated server crash"):
+        run({"output-dir": str(tmp_path / "crashed")}, 2, crash_at_round=3)
+    (crashed,) = (tmp_path / "crashed").iterdir()
+    resumed, report = run({"output-dir": str(tmp_path / "resumed"), "resume-from": str(crashed)}, 3)
+    assert [r.round for r in report.rounds] == [1, 2, 3]
+    assert sorted(resumed.local_extractors) == sorted(full.local_extractors)
+    for pid, arrays in full.local_extractors.items():
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(resumed.local_extractors[pid][key], value)
+    for key, value in {**full.extractor, **full.global_head}.items():
+        np.testing.assert_array_equal({**resumed.extractor, **resumed.global_head}[key], value)
+    for pid, head in full.heads.items():
+        for key, value in head.items():
+            np.testing.assert_array_equal(resumed.heads[pid][key], value)
+    # a checkpoint resumes only as the method that wrote it
+    with pytest.raises(ConfigError, match="checkpoint is a '" + name):
+        run({"strategy": "fedpac", "output-dir": str(tmp_path / "other"), "resume-from": str(crashed)}, 3)

@@ -1,0 +1,141 @@
+"""The docker compose cluster of docker-compose.yml (3 clients, CPU override): images built on a
+local base, TLS and SuperNode authentication on, FedPAC run to completion with `flwr run` from
+the host, results read from the outputs volume, everything torn down.
+
+The Docker engine is the one on this machine; when none is running the test starts its own
+(and stops it). Docker Hub is unreachable in CI, so the base image is made with debootstrap and
+the Python wheels come from the host (deploy/build-images.sh --wheelhouse).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import compose
+from tests.deployment import ROOT, Workstation, create_certificates
+
+LOCAL_BASE = "local/pybase:bookworm"
+SUBNET = "10.213.78"
+PROJECT = "fedpac-test"
+SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
+
+
+def test_docker_compose_yml_is_the_generators_output_for_3_clients(tmp_path):
+    compose.write(3, 1, tmp_path)
+    for name in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        assert (tmp_path / name).read_text() == (ROOT / name).read_text(), f"regenerate {name}"
+
+
+def _docker(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], check=True, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+@pytest.fixture(scope="module")
+def docker_engine(tmp_path_factory):
+    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+        yield None  # someone else's engine: leave it running
+        return
+    if shutil.which("dockerd") is None:
+        pytest.fail("no Docker engine: run deploy/install-docker.sh (make test does)")
+    log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+    engine = subprocess.Popen(
+        ["dockerd", "--data-root", os.environ.get("FEDPAC_DOCKER_ROOT", "/var/lib/fedpac-docker"),
+         "--ip-masq=false"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        if engine.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"dockerd did not start:\n{log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield engine
+    engine.terminate()
+    engine.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def images(docker_engine, tmp_path_factory):
+    if subprocess.run(["docker", "image", "inspect", LOCAL_BASE], capture_output=True).returncode != 0:
+        rootfs = tmp_path_factory.mktemp("rootfs")
+        subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
+                        str(rootfs)], check=True, capture_output=True, timeout=900)
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        _docker("import", "-", LOCAL_BASE, stdin=tar.stdout)
+        tar.wait()
+    subprocess.run(["bash", str(ROOT / "deploy" / "build-images.sh"), "--base", LOCAL_BASE, "--wheelhouse"],
+                   check=True, capture_output=True, timeout=2400, env={**os.environ, "PYTHON": sys.executable})
+
+
+TEST_OVERRIDE = f"""\
+# No published ports and no network that leaves the machine: the host reaches the SuperLink's
+# Control API at a fixed address on the (internal) control network instead.
+services:
+  superlink:
+    ports: !reset []
+    networks:
+      fleet: {{}}
+      control:
+        ipv4_address: {SUBNET}.10
+networks:
+  control:
+    internal: true
+    ipam:
+      config:
+        - subnet: {SUBNET}.0/24
+"""
+
+
+class Cluster:
+    def __init__(self, workdir: Path, certs: Path, data: Path) -> None:
+        override = workdir / "docker-compose.test.yml"
+        override.write_text(TEST_OVERRIDE)
+        self.command = ["compose", "--project-name", PROJECT, "--project-directory", str(ROOT),
+                        "-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "docker-compose.cpu.yml"),
+                        "-f", str(override)]
+        self.env = {**os.environ, "FEDPAC_CERTS": str(certs), "FEDPAC_DATA": str(data), "COMPOSE_BAKE": "false"}
+
+    def __call__(self, *args: str, timeout: float = 300) -> str:
+        return _docker(*self.command, *args, timeout=timeout, env=self.env).stdout
+
+    def logs(self) -> str:
+        return subprocess.run(["docker", *self.command, "logs", "--no-color", "--tail", "60"], env=self.env,
+                              capture_output=True, text=True).stdout
+
+
+def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
+    certs = create_certificates(tmp_path / "certs", 3, f"{SUBNET}.10")
+    subprocess.run(["chown", "49999:49999", str(certs / "superlink.key"), str(certs / "superexec.secret"),
+                    *[str(certs / "keys" / f"supernode-{i}{ext}") for i in range(3) for ext in ("", ".secret")]],
+                   check=True)
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
+                    "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)
+    cluster = Cluster(tmp_path, certs, data)
+    workstation = Workstation(tmp_path / "flwr-home", f"{SUBNET}.10:9093", certs / "ca.crt")
+    try:
+        cluster("up", "-d", "superlink")
+        workstation.wait_until_reachable()
+        workstation.register(certs / "keys", 0, 1, 2)
+        cluster("up", "-d")
+        run_id = workstation.submit(f"{SMALL} num-server-rounds=2 min-available-clients=3")
+        status = workstation.wait(run_id, timeout=900)
+        assert status == "finished:completed", workstation.log(run_id)[-3000:] + cluster.logs()
+        cluster("cp", "serverapp:/app/outputs", str(tmp_path / "outputs"))
+        (run_dir,) = [d for d in (tmp_path / "outputs").iterdir() if d.name.endswith(f"run{run_id}")]
+        rounds = list(csv.DictReader((run_dir / "rounds.csv").open()))
+        assert [int(r["num_trained"]) for r in rounds] == [3, 3]
+        assert all(0 < float(r["mean_accuracy"]) <= 1 for r in rounds)
+        assert (run_dir / "final_state.npz").exists() and (run_dir / "accuracy.png").exists()
+        networks = _docker("network", "ls", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                           "--format", "{{.Name}} {{.Internal}}").stdout.split("\n")
+        assert all(line.endswith("true") for line in networks if line), networks
+    finally:
+        cluster("down", "--volumes", "--timeout", "20")

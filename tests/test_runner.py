@@ -1,0 +1,225 @@
+"""The experiment runner: grid files, resumable execution, and the per-experiment report.
+
+Most tests drive the runner with a stand-in executor that writes run folders the way a
+simulation does (fast, and able to simulate crashes); one test runs a tiny grid through real
+Flower simulations (Ray) twice and checks that the second invocation redoes nothing finished.
+"""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.grid import GridError, Overrides, load_grid, parse_assignment
+from experiments.runner import cell_directory, main, plan
+from experiments.summary import finished_run
+
+TINY = """
+rounds = 2
+seeds = [0]
+clients = 3
+alpha-rounds = [1, 5]
+
+[run-config]
+samples-per-client = 60
+test-samples-per-client = 30
+local-epochs = 1
+batch-size = 20
+
+[experiments.tiny]
+title = "Tiny grid"
+methods = ["fedavg", "fedpac"]
+
+[experiments.tiny.settings.s-20]
+paper = { fedpac = 91.83 }
+"""
+
+
+def _grid(tmp_path: Path, text: str = TINY) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------- grid files
+
+
+def test_grid_levels_merge_cli_overrides_win_and_identical_cells_run_once(tmp_path):
+    text = TINY + """
+[experiments.other]
+methods = ["fedpac", "local"]
+seeds = [0, 1]
+run-config = { uniform-share = 50.0 }
+[experiments.other.settings.same-as-tiny]
+run-config = { uniform-share = 20.0 }   # the setting's value wins: FedPAC seed 0 = tiny's cell
+[experiments.other.settings.bigger]
+clients = 4
+"""
+    experiments = load_grid(_grid(tmp_path, text), Overrides(rounds=3, run_config={"local-epochs": 2}))
+    tiny, other = experiments
+    assert tiny.rounds == other.rounds == 3 and tiny.alpha_rounds == [1, 3]  # 5 clipped to the last
+    settings = {s.name: s for s in other.settings}
+    assert settings["same-as-tiny"].run_config["uniform-share"] == 20.0
+    assert settings["bigger"].run_config["uniform-share"] == 50.0 and settings["bigger"].clients == 4
+    assert all(s.run_config["local-epochs"] == 2 for s in settings.values())  # --set wins
+    cells = plan(experiments)
+    # tiny: 2 cells; other: 2 settings x 2 methods x 2 seeds = 8, one of them tiny's FedPAC
+    assert len(cells) == 2 + 8 - 1
+    shared = next(c for c in cells if len(c.uses) == 2)
+    assert shared.cell.method == "fedpac" and shared.cell.seed == 0
+    assert [e.name for e, _ in shared.uses] == ["tiny", "other"]
+    only = load_grid(_grid(tmp_path, text), Overrides(experiments=["other"], methods=["local"], seeds=[7]))
+    assert [(c.method, c.seed) for _, c in only[0].cells()] == [("local", 7), ("local", 7)]
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (('methods = ["fedavg", "fedpac"]', 'methods = ["fedavg", "fedprox"]'), "unknown method(s) fedprox; one of fedpac"),
+    (("batch-size = 20", "batch-size = 20\nuniform-share = 120.0"), "'uniform-share' = 120.0 is invalid"),
+    (("batch-size = 20", "batch-size = 20\nlamda-align = 1.0"), "unknown run config key(s): lamda-align"),
+    (("batch-size = 20", "batch-size = 20\nseed = 3"), "seed are set by the grid itself"),
+    (("rounds = 2", "rounds = 0"), "grid.rounds must be a positive integer"),
+    (("clients = 3", ""), "no 'clients'"),
+])
+def test_bad_grids_fail_before_anything_runs_and_say_why(tmp_path, change, fragment):
+    with pytest.raises(GridError) as err:
+        load_grid(_grid(tmp_path, TINY.replace(*change)))
+    assert fragment in str(err.value)
+
+
+def test_command_line_assignments_are_read_as_toml_or_plain_text():
+    assert parse_assignment("fraction-train=0.3") == ("fraction-train", 0.3)
+    assert parse_assignment("dataset='fashion-mnist'") == ("dataset", "fashion-mnist")
+    assert parse_assignment("data-dir=/data/fmnist") == ("data-dir", "/data/fmnist")
+    with pytest.raises(GridError):
+        parse_assignment("no-value")
+
+
+# ---------------------------------------------------------------------------- a stand-in simulation
+
+
+def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-run1"):
+    """A run folder as the ServerApp writes it: metrics.json, checkpoint, final state when done."""
+    run = directory / name
+    run.mkdir(parents=True)
+    config = {**cell.identity["config"], "output_dir": str(directory), "resume_from": ""}
+    rounds = []
+    for number, accuracy in enumerate(accuracies, start=1):
+        record = {"round": number, "mean_accuracy": accuracy, "accuracy": {str(p): accuracy for p in range(cell.clients)},
+                  "alpha": [], "alpha_partitions": [], "group": {str(p): p % 5 for p in range(cell.clients)}}
+        if cell.method == "fedpac":
+            record["alpha"] = np.eye(cell.clients).tolist()
+            record["alpha_partitions"] = list(range(cell.clients))
+        rounds.append(record)
+    (run / "metrics.json").write_text(json.dumps({"config": config, "rounds": rounds}))
+    (run / "checkpoint.npz").write_bytes(b"checkpoint")
+    if finished:
+        (run / "final_state.npz").write_bytes(b"final")
+    return run
+
+
+class FakeSimulation:
+    """Records every call; finishes cells with fixed accuracies, or crashes one half-way."""
+
+    def __init__(self, crash=()):
+        self.calls = []
+        self.crash = set(crash)
+
+    def __call__(self, cell, directory, resume_from, log_path):
+        self.calls.append((cell.method, cell.seed, resume_from))
+        log_path.write_text("simulated\n")
+        accuracy = {"fedavg": 0.80, "fedpac": 0.90}[cell.method] + 0.02 * cell.seed
+        name = f"run-{len(self.calls)}"
+        if cell.method in self.crash:
+            _fake_run(cell, directory, [accuracy] * (cell.rounds - 1), finished=False, name=name)
+            return 1
+        _fake_run(cell, directory, [accuracy] * cell.rounds, name=name)
+        return 0
+
+
+def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_checkpoint(tmp_path, capsys):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    args = [str(grid), "--out", str(out), "--seeds", "0,1"]
+    crashing = FakeSimulation(crash={"fedpac"})
+    assert main(args, execute=crashing) == 1  # the FedPAC cells stopped half-way: reported
+    assert [c[:2] for c in crashing.calls] == [("fedavg", 0), ("fedavg", 1), ("fedpac", 0), ("fedpac", 1)]
+    first = capsys.readouterr().out
+    assert "[3/4] tiny/s-20 | fedpac | seed 0: FAILED (exit status 1)" in first
+    assert "2 of 4 cells failed" in first
+
+    again = FakeSimulation()
+    assert main(args, execute=again) == 0
+    # finished cells were not run again; the stopped ones continued from their own run folders
+    assert [c[:2] for c in again.calls] == [("fedpac", 0), ("fedpac", 1)]
+    experiments = load_grid(grid, Overrides(seeds=[0, 1]))
+    for method, seed, resume_from in again.calls:
+        cell = next(c for _, c in experiments[0].cells() if (c.method, c.seed) == (method, seed))
+        assert resume_from is not None and resume_from.parent == cell_directory(out, cell)
+        resumed = finished_run(cell_directory(out, cell), cell)
+        assert resumed is not None and resumed.directory != resume_from
+    second = capsys.readouterr().out
+    assert "[1/4] tiny/s-20 | fedavg | seed 0: finished before, skipped (final accuracy 80.00%)" in second
+    assert "[3/4] tiny/s-20 | fedpac | seed 0: resuming after round 1/2 from run-3" in second
+    assert "[4/4] tiny/s-20 | fedpac | seed 1: done in" in second
+
+    nothing = FakeSimulation()
+    assert main(args, execute=nothing) == 0 and nothing.calls == []
+
+    # a longer run is another cell: nothing finished is mistaken for it
+    longer = FakeSimulation()
+    assert main(args + ["--rounds", "3", "--methods", "fedavg"], execute=longer) == 0
+    assert [c[:2] for c in longer.calls] == [("fedavg", 0), ("fedavg", 1)]
+
+
+def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--seeds", "0,1"], execute=FakeSimulation()) == 0
+    report = out / "tiny"
+    rows = list(csv.DictReader((report / "summary.csv").open()))
+    assert list(rows[0]) == ["method", "setting", "clients", "rounds", "seeds", "mean", "std"]
+    by_method = {r["method"]: r for r in rows}
+    # fedavg: 80 and 82 (%) -> mean 81, sample std sqrt(2) ; fedpac: 90 and 92
+    assert float(by_method["fedavg"]["mean"]) == pytest.approx(81.0)
+    assert float(by_method["fedavg"]["std"]) == pytest.approx(math.sqrt(2), abs=1e-4)
+    assert float(by_method["fedpac"]["mean"]) == pytest.approx(91.0)
+    assert by_method["fedpac"]["clients"] == "3" and by_method["fedpac"]["rounds"] == "2"
+    assert by_method["fedpac"]["seeds"] == "2" and by_method["fedpac"]["setting"] == "s-20"
+    table = (report / "table.md").read_text()
+    assert "| fedpac | 91.00 ± 1.41 (n=2) (91.83) |" in table and "| fedavg | 81.00 ± 1.41 (n=2) |" in table
+    assert (report / "accuracy.png").stat().st_size > 0
+    alphas = sorted(p.name for p in (report / "alpha").iterdir())
+    assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
+
+
+# ---------------------------------------------------------------------------- real simulations
+
+
+@pytest.mark.e2e
+def test_a_real_grid_resumes_without_redoing_finished_cells(tmp_path, capsys):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg"]) == 0  # half the grid
+    experiment = load_grid(grid)[0]
+    fedavg, fedpac = (c for _, c in experiment.cells())
+    fedavg_dir = cell_directory(out, fedavg)
+    before = {p.name: p.stat().st_mtime_ns for p in fedavg_dir.rglob("*") if p.is_file()}
+    first = finished_run(fedavg_dir, fedavg)
+    assert first is not None and [r["round"] for r in first.rounds] == [1, 2]
+    capsys.readouterr()
+
+    assert main([str(grid), "--out", str(out)]) == 0  # the whole grid
+    log = capsys.readouterr().out
+    assert "[1/2] tiny/s-20 | fedavg | seed 0: finished before, skipped" in log
+    assert "[2/2] tiny/s-20 | fedpac | seed 0: done in" in log
+    after = {p.name: p.stat().st_mtime_ns for p in fedavg_dir.rglob("*") if p.is_file()}
+    assert after == before  # the finished cell was not touched
+    run = finished_run(cell_directory(out, fedpac), fedpac)
+    assert run is not None and run.config["strategy"] == "fedpac" and len(run.rounds) == 2
+    rows = {r["method"]: r for r in csv.DictReader((out / "tiny" / "summary.csv").open())}
+    assert sorted(rows) == ["fedavg", "fedpac"]
+    for method, cell_run in (("fedavg", first), ("fedpac", run)):
+        assert float(rows[method]["mean"]) == pytest.approx(cell_run.final_accuracy, abs=1e-3)
+        assert 0 < cell_run.final_accuracy <= 100
+    assert sorted(p.name for p in (out / "tiny" / "alpha").iterdir()) == [
+        "s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]
