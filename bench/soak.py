@@ -8,7 +8,8 @@ all its child processes (Ray's workers running the ClientApps) between two round
 
     python bench/soak.py [--clients 100] [--fraction 0.3] [--rounds 30] [--failure-rate 0.1]
 
-Writes bench/results/soak.csv (one row per round), soak.json (summary) and soak.png.
+Writes bench/results/soak.csv (one row per round), soak.json (summary) and soak.png
+(``--results DIR`` elsewhere). Exits non-zero unless every round completed.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--failure-rate", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for soak.csv/.json/.png")
     args = parser.parse_args(argv)
 
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
@@ -158,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(rows) != args.rounds:
         raise SystemExit(f"soak: only {len(rows)} of {args.rounds} rounds completed (outputs in {out})")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "soak.csv").open("w", newline="") as stream:
+    args.results.mkdir(parents=True, exist_ok=True)
+    with (args.results / "soak.csv").open("w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "last_5_rounds": max(r["workers_peak_rss_mb"] for r in rows[-5:])},
         "outputs": str(out),
     }
-    (RESULTS / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(rows, RESULTS / "soak.png")
+    (args.results / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(rows, args.results / "soak.png")
     print(json.dumps(summary, indent=2))
 
 

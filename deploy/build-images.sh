@@ -4,9 +4,10 @@
 #     --base IMAGE   base image with Python 3.11 (default: python:3.11-slim-bookworm)
 #     --tag TAG      image tag (default: latest) -> fedpac-superlink:TAG, fedpac-app:TAG
 #     --wheelhouse   first `pip download` every dependency on this host into
-#                    deploy/docker/wheels/ and install from there inside the build (for build
-#                    hosts whose containers cannot reach the package index; the host's Python
-#                    must be the base image's, 3.11 on x86_64)
+#                    deploy/docker/wheels/, then serve that folder to the build over HTTP on
+#                    the Docker bridge and install from it alone (for build hosts whose
+#                    containers cannot reach the package index; the host's Python must be the
+#                    base image's, 3.11 on x86_64)
 set -euo pipefail
 base="python:3.11-slim-bookworm"
 tag="latest"
@@ -21,14 +22,26 @@ while [ $# -gt 0 ]; do
 done
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+build_args=(--build-arg "BASE_IMAGE=$base")
 if [ "$wheelhouse" = 1 ]; then
   python="${PYTHON:-python3}"
   "$python" deploy/docker/requirements.py pyproject.toml > deploy/docker/wheels/requirements.txt
   "$python" -m pip download --quiet --only-binary=:all: --dest deploy/docker/wheels \
     -r deploy/docker/wheels/requirements.txt
+  # Served, not copied into the build context: a 3 GB COPY layer would stay in the image.
+  gateway="$(docker network inspect bridge --format '{{(index .IPAM.Config 0).Gateway}}')"
+  port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  "$python" -m http.server --bind "$gateway" --directory deploy/docker/wheels "$port" >/dev/null 2>&1 &
+  server=$!
+  trap 'kill $server 2>/dev/null' EXIT
+  for _ in $(seq 50); do
+    "$python" -c "import urllib.request; urllib.request.urlopen('http://$gateway:$port/')" 2>/dev/null && break
+    sleep 0.2
+  done
+  build_args+=(--build-arg "WHEELHOUSE_URL=http://$gateway:$port/")
 fi
 for target in superlink app; do
   echo "building fedpac-$target:$tag (base $base)"
-  DOCKER_BUILDKIT=0 docker build --quiet --build-arg "BASE_IMAGE=$base" --target "$target" \
+  DOCKER_BUILDKIT=0 docker build --quiet "${build_args[@]}" --target "$target" \
     --tag "fedpac-$target:$tag" --file deploy/docker/Dockerfile .
 done

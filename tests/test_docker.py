@@ -69,8 +69,10 @@ def images(docker_engine, tmp_path_factory):
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         _docker("import", "-", LOCAL_BASE, stdin=tar.stdout)
         tar.wait()
-    subprocess.run(["bash", str(ROOT / "deploy" / "build-images.sh"), "--base", LOCAL_BASE, "--wheelhouse"],
-                   check=True, capture_output=True, timeout=2400, env={**os.environ, "PYTHON": sys.executable})
+    build = subprocess.run(["bash", str(ROOT / "deploy" / "build-images.sh"), "--base", LOCAL_BASE, "--wheelhouse"],
+                           capture_output=True, text=True, timeout=2400, env={**os.environ, "PYTHON": sys.executable})
+    if build.returncode:
+        pytest.fail(f"deploy/build-images.sh failed:\n{build.stdout[-2000:]}\n{build.stderr[-4000:]}")
 
 
 TEST_OVERRIDE = f"""\

@@ -1,9 +1,10 @@
 #!/bin/sh
-# pip install -r $1 into /opt/venv: from /wheels alone when the build brought an offline
-# wheelhouse (deploy/build-images.sh --wheelhouse), from the package index otherwise.
+# pip install -r $1 into /opt/venv: from the wheelhouse at $WHEELHOUSE_URL alone when the build
+# passes one (deploy/build-images.sh --wheelhouse), from the package index otherwise.
 set -eu
-if ls /wheels/*.whl >/dev/null 2>&1; then
-  set -- --no-index --find-links /wheels -r "$1"
+if [ -n "${WHEELHOUSE_URL:-}" ]; then
+  host="$(echo "$WHEELHOUSE_URL" | sed -E 's#^[a-z]+://([^/:]+).*#\1#')"
+  set -- --no-index --find-links "$WHEELHOUSE_URL" --trusted-host "$host" -r "$1"
 else
   set -- -r "$1"
 fi
