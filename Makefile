@@ -26,7 +26,7 @@ run: install
 
 test: install
 	deploy/install-docker.sh $(VENV)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=12
 
 stop:  # the local SuperLink that `flwr run` starts keeps running after the run
 	-pkill -f "flower-superlink.*--simulation"
