@@ -57,18 +57,16 @@ def client_tensors(
     otherwise (simulation, demos) the client takes partition ``partition_id`` of the run's dataset.
     """
     if data_path:
-        own = check_shape(load_client_directory(data_path, cfg.num_classes), cfg)
-        mean, std = own.train_normalization
-        return (*to_tensors(own.train_images, own.train_labels, mean, std, device),
-                *to_tensors(own.test_images, own.test_labels, mean, std, device))
-    data = load_dataset(cfg)
-    split = client_split(cfg, partition_id, num_partitions)
-    mean, std = data.train_normalization
-    x_train, y_train = to_tensors(
-        data.train_images[split.train_indices], split.train_labels, mean, std, device
-    )
-    x_test, y_test = to_tensors(data.test_images[split.test_indices], split.test_labels, mean, std, device)
-    return x_train, y_train, x_test, y_test
+        data = check_shape(load_client_directory(data_path, cfg.num_classes), cfg)
+        train = data.train_images, data.train_labels
+        test = data.test_images, data.test_labels
+    else:
+        data = load_dataset(cfg)
+        split = client_split(cfg, partition_id, num_partitions)
+        train = data.train_images[split.train_indices], split.train_labels
+        test = data.test_images[split.test_indices], split.test_labels
+    mean, std = data.train_normalization  # the client's own data, or the whole dataset's
+    return (*to_tensors(*train, mean, std, device), *to_tensors(*test, mean, std, device))
 
 
 def _model_from(record: ArrayRecord, cfg: FedPACConfig, device: torch.device) -> FedPACNet:

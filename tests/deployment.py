@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 FEDERATION = "fedpac-test"
+# A small run: enough to show the federation trains, quick on two cores.
+SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ import pytest
 from tests.deployment import (
     FEDERATION,
     ROOT,
+    SMALL,
     Federation,
     create_certificates,
     rounds_of,
@@ -23,8 +24,6 @@ from tests.deployment import (
 )
 
 pytestmark = pytest.mark.e2e
-
-SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
 
 
 @pytest.fixture
@@ -84,7 +83,7 @@ def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_
     federation.start_node(2)
     wait_for_rounds(out, 2)
     federation.signal_node(1, signal.SIGSTOP)  # hangs through round 3: the round times out
-    rounds = wait_for_rounds(out, 3, timeout=400)
+    wait_for_rounds(out, 3, timeout=400)
     federation.signal_node(1, signal.SIGCONT)
     status = federation.wait(run_id)
     log = federation.log(run_id)

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 
 from deploy import compose
-from tests.deployment import ROOT, Workstation, create_certificates
+from tests.deployment import ROOT, SMALL, Workstation, create_certificates
 
 LOCAL_BASE = "local/pybase:bookworm"
 SUBNET = "10.213.78"
 PROJECT = "fedpac-test"
-SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
 
 
 def test_docker_compose_yml_is_the_generators_output_for_3_clients(tmp_path):

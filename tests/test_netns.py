@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deployment import Federation, create_certificates, rounds_of, wait_for_rounds
+from tests.deployment import SMALL, Federation, create_certificates, rounds_of
 
 pytestmark = pytest.mark.e2e
 
@@ -81,11 +81,7 @@ def test_federation_across_network_namespaces_by_host_name(network, tmp_path):
         for pid in range(3):
             federation.start_node(pid)
         out = tmp_path / "out"
-        run_id = federation.submit(
-            f"samples-per-client=100 test-samples-per-client=50 local-epochs=1 num-server-rounds=2 "
-            f"min-available-clients=3 output-dir='{out}'"
-        )
-        wait_for_rounds(out, 1)
+        run_id = federation.submit(f"{SMALL} num-server-rounds=2 min-available-clients=3 output-dir='{out}'")
         status = federation.wait(run_id)
         assert status == "finished:completed", federation.log(run_id)[-3000:]
         rounds = rounds_of(out)
