@@ -82,7 +82,10 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         FEDPAC,
-        # Table 2's ablations: the FedPAC routine with one of its two components switched off.
+        # Table 2's ablations: the FedPAC routine with one or both of its components switched off.
+        # Neither: the alternating routine alone, every client keeps its own head (the column
+        # "None", which is FedPer trained head-then-extractor).
+        Method("fedpac-none", Rule.AVERAGE, Rule.LOCAL, alignment=False, routine=Routine.ALTERNATING),
         # Alignment only: no classifier collaboration, every client keeps its own head
         # (alpha = identity).
         Method("fedpac-align", Rule.AVERAGE, Rule.LOCAL, alignment=True, routine=Routine.ALTERNATING),

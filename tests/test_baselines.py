@@ -193,7 +193,7 @@ def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires
 # ---------------------------------------------------------------------------- local heads
 
 
-@pytest.mark.parametrize("name", ["fedper", "fedrep", "fedpac-align"])
+@pytest.mark.parametrize("name", ["fedper", "fedrep", "fedpac-none", "fedpac-align"])
 def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
     config = _config(name)
     strategy, extractor = _strategy(config)

@@ -89,6 +89,18 @@ def test_bad_grids_fail_before_anything_runs_and_say_why(tmp_path, change, fragm
     assert fragment in str(err.value)
 
 
+GRIDS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "grids").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", GRIDS, ids=[g.stem for g in GRIDS])
+def test_shipped_grids_are_valid_and_name_the_papers_numbers_only_for_their_own_methods(path):
+    experiments = load_grid(path)
+    assert experiments and all(e.methods and e.settings for e in experiments)
+    for experiment in experiments:
+        for setting in experiment.settings:
+            assert set(setting.paper) <= set(experiment.methods), (experiment.name, setting.name)
+
+
 def test_command_line_assignments_are_read_as_toml_or_plain_text():
     assert parse_assignment("fraction-train=0.3") == ("fraction-train", 0.3)
     assert parse_assignment("dataset='fashion-mnist'") == ("dataset", "fashion-mnist")
