@@ -1,7 +1,7 @@
 """Reading finished cells and writing an experiment's report.
 
 Per experiment: ``summary.csv`` (method, setting, clients, rounds, seeds, mean, std of the final
-personalized accuracy over seeds, in %), ``table.md`` (methods x settings, with the paper's
+personalized accuracy over seeds, in %), ``curves.csv`` (the same at every round), ``table.md`` (methods x settings, with the paper's
 numbers where the grid gives them), ``accuracy.png`` (mean personalized accuracy per round, one
 panel per setting, every method in it, mean over seeds with a +-1 std band) and
 ``alpha/<setting>-<method>-seed<s>-round<r>.png`` (combination weights at the grid's chosen
@@ -26,10 +26,11 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402  pylint: disable=wrong-i
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
-from experiments.grid import NOT_IDENTITY, Cell, Experiment  # noqa: E402  pylint: disable=wrong-import-position
+from experiments.grid import NOT_IDENTITY, Cell, Experiment, Setting  # noqa: E402  pylint: disable=wrong-import-position
 from server_app.report import atomic_write, plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
 
 SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
+CURVE_COLUMNS = ("method", "setting", "round", "seeds", "mean", "std")
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,35 @@ def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seed_curves(experiment: Experiment, results: Results, setting: Setting,
+                method: str) -> tuple[list[int], np.ndarray] | None:
+    """(rounds, accuracy in % per seed x round) over the finished seeds; None without any."""
+    curves = [results[(setting.name, method, s)].accuracy_curve()
+              for s in experiment.seeds if (setting.name, method, s) in results]
+    if not curves:
+        return None
+    length = min(len(c[0]) for c in curves)  # all seeds have every round when finished
+    return list(curves[0][0][:length]), np.array([c[1][:length] for c in curves])
+
+
+def curves_csv(experiment: Experiment, results: Results) -> bytes:
+    """Mean and std over seeds of the personalized accuracy (%) at every round."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(CURVE_COLUMNS)
+    for setting in experiment.settings:
+        for method in experiment.methods:
+            curve = seed_curves(experiment, results, setting, method)
+            if curve is None:
+                continue
+            rounds, values = curve
+            for index, number in enumerate(rounds):
+                mean, std = _mean_std(list(values[:, index]))
+                writer.writerow([method, setting.name, number, len(values), round(mean, 4),
+                                 "" if math.isnan(std) else round(std, 4)])
+    return buffer.getvalue().encode()
+
+
 def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     """Mean personalized accuracy per round: a panel per setting, a line per method."""
     count = len(experiment.settings)
@@ -175,16 +205,13 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.9 * rows), squeeze=False)
     for ax, setting in zip(axes.flat, experiment.settings):
         for method in experiment.methods:
-            curves = [results[(setting.name, method, s)].accuracy_curve()
-                      for s in experiment.seeds if (setting.name, method, s) in results]
-            if not curves:
+            curve = seed_curves(experiment, results, setting, method)
+            if curve is None:
                 continue
-            length = min(len(c[0]) for c in curves)  # all seeds have every round when finished
-            x = curves[0][0][:length]
-            values = np.array([c[1][:length] for c in curves])
+            x, values = curve
             mean = values.mean(axis=0)
             line, = ax.plot(x, mean, label=f"{method} ({mean[-1]:.1f})")
-            if len(curves) > 1:
+            if len(values) > 1:
                 std = values.std(axis=0, ddof=1)
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
         ax.set_title(f"{setting.name} ({setting.clients} clients)")
@@ -230,6 +257,7 @@ def write_report(experiment: Experiment, results: Results, directory: Path) -> l
     rows = summary_rows(experiment, results)
     atomic_write(directory / "summary.csv", summary_csv(rows))
     atomic_write(directory / "table.md", markdown_table(experiment, rows).encode())
+    atomic_write(directory / "curves.csv", curves_csv(experiment, results))
     plot_accuracy(experiment, results, directory / "accuracy.png")
     plot_alphas(experiment, results, directory / "alpha")
     return rows

@@ -200,6 +200,11 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     assert by_method["fedpac"]["seeds"] == "2" and by_method["fedpac"]["setting"] == "s-20"
     table = (report / "table.md").read_text()
     assert "| fedpac | 91.00 ± 1.41 (n=2) (91.83) |" in table and "| fedavg | 81.00 ± 1.41 (n=2) |" in table
+    curves = list(csv.DictReader((report / "curves.csv").open()))
+    assert [(r["method"], r["round"], r["seeds"]) for r in curves] == [
+        ("fedavg", "1", "2"), ("fedavg", "2", "2"), ("fedpac", "1", "2"), ("fedpac", "2", "2")]
+    assert all(float(r["mean"]) == pytest.approx(81.0 if r["method"] == "fedavg" else 91.0) for r in curves)
+    assert all(float(r["std"]) == pytest.approx(math.sqrt(2), abs=1e-4) for r in curves)
     assert (report / "accuracy.png").stat().st_size > 0
     alphas = sorted(p.name for p in (report / "alpha").iterdir())
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
