@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,7 +225,7 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
             ax.legend(loc="lower right", fontsize=8)
     for ax in list(axes.flat)[count:]:
         ax.set_visible(False)
-    fig.suptitle(experiment.title)
+    fig.suptitle(textwrap.fill(experiment.title, width=55 * columns))  # long titles overflow one panel
     save_figure(fig, path)
 
 
