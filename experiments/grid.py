@@ -214,7 +214,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
         where = f"experiments.{name}"
         table = _table(tables[name], where)
         level = _level(table, top, where, {"title", "methods", "settings"})
-        methods = _select(_methods(table.get("methods"), f"{where}.methods"), overrides.methods)
+        all_methods = _methods(table.get("methods"), f"{where}.methods")
+        methods = _select(all_methods, overrides.methods)
         settings = []
         for setting_name, raw in _table(table.get("settings"), f"{where}.settings").items():
             if overrides.settings is not None and setting_name not in overrides.settings:
@@ -225,6 +226,9 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
             if "clients" not in merged:
                 raise GridError(f"{setting_where}: no 'clients' here or above")
             paper = _table(setting_table.get("paper", {}), f"{setting_where}.paper")
+            strays = sorted(set(paper) - set(all_methods))  # a typo would silently drop a number
+            if strays:
+                raise GridError(f"{setting_where}.paper: {', '.join(strays)} not among the experiment's methods")
             settings.append(Setting(setting_name, merged["clients"],
                                     {**merged["run-config"], **overrides.run_config},
                                     {k: float(v) for k, v in paper.items()}))

@@ -3,8 +3,8 @@
 Per experiment: ``summary.csv`` (method, setting, clients, rounds, seeds, mean, std of the final
 personalized accuracy over seeds, in %), ``curves.csv`` (the same at every round),
 ``table.md`` (methods x settings, with the paper's numbers where the grid gives them),
-``accuracy.png`` (mean personalized accuracy per round, one
-panel per setting, every method in it, mean over seeds with a +-1 std band) and
+``accuracy.png`` (mean personalized accuracy per round, one panel per setting, every method in
+it, mean over seeds with a +-1 std band) and
 ``alpha/<setting>-<method>-seed<s>-round<r>.png`` (combination weights at the grid's chosen
 rounds, for the methods that have them).
 """

@@ -82,6 +82,8 @@ clients = 4
     (("batch-size = 20", "batch-size = 20\nseed = 3"), "seed are set by the grid itself"),
     (("rounds = 2", "rounds = 0"), "grid.rounds must be a positive integer"),
     (("clients = 3", ""), "no 'clients'"),
+    (("paper = { fedpac = 91.83 }", "paper = { fedpac-colab = 89.92 }"),
+     "experiments.tiny.settings.s-20.paper: fedpac-colab not among the experiment's methods"),
 ])
 def test_bad_grids_fail_before_anything_runs_and_say_why(tmp_path, change, fragment):
     with pytest.raises(GridError) as err:
