@@ -8,6 +8,7 @@ synthetic statistics, so the speed-up is a ratio measured in one run.
 
     python bench/server_aggregation.py                # the full grid (naive only where feasible)
     python bench/server_aggregation.py --quick        # m = 20, 100 only
+    python bench/server_aggregation.py --busy         # m = 100, 1000: idle vs one core taken
 Writes a markdown table to stdout and JSON to --out.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +24,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common.collaboration  # noqa: E402
+from load import one_core_taken  # noqa: E402
 from common.aggregation import aggregate_round  # noqa: E402
 from common.collaboration import (  # noqa: E402
     collaboration_matrix,
@@ -95,12 +100,54 @@ def objective_gap(data: dict, alpha: np.ndarray, rows: list[int]) -> float:
     return max(gaps)
 
 
+def timed_round(data: dict, repeats: int) -> float:
+    """Median seconds of ``aggregate_round`` on ``data``."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        aggregate_round(**data, alpha_threshold=0.0)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def busy(args) -> None:
+    """m = 100 and 1000 (K = 10, clustered) on an idle machine and with one core taken, with
+    the solver on one BLAS thread (the product) and, for reference, on BLAS's default threads."""
+    cores = len(os.sched_getaffinity(0))
+    rows = []
+    print(f"{cores} cores; median of {args.repeats} repeats per cell")
+    print("| m | BLAS threads in the solver | idle (s) | one core taken (s) | loaded / idle |")
+    print("|---|---|---|---|---|")
+    settings = [("1 (product)", 1), ("default", None)] if args.compare_default else [("1 (product)", 1)]
+    for m in (100, 1000):
+        data = synthetic_round(m, 10, "clustered")
+        for label, threads in settings:
+            common.collaboration.SOLVER_BLAS_THREADS = threads
+            idle = timed_round(data, args.repeats)
+            with one_core_taken():
+                loaded = timed_round(data, args.repeats)
+            rows.append(dict(m=m, blas_threads=label, idle_s=idle, loaded_s=loaded, ratio=loaded / idle))
+            print(f"| {m} | {label} | {idle:.3f} | {loaded:.3f} | {loaded / idle:.2f}x |", flush=True)
+    common.collaboration.SOLVER_BLAS_THREADS = 1
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"cores": cores, "rows": rows}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--busy", action="store_true", help="idle vs one core taken, m = 100 and 1000")
+    parser.add_argument("--compare-default", action="store_true",
+                        help="with --busy: also time the solver on BLAS's default thread count")
+    parser.add_argument("--repeats", type=int, default=3, help="with --busy: repeats per cell")
     parser.add_argument("--naive-max", type=int, default=100, help="largest m the naive reference runs at")
     parser.add_argument("--out", default="bench/results/server_aggregation.json")
     args = parser.parse_args()
+    if args.busy:
+        if args.out == parser.get_default("out"):
+            args.out = "bench/results/server_aggregation_busy.json"
+        busy(args)
+        return
     sizes = [20, 100] if args.quick else [20, 100, 500, 1000]
     rows = []
     print("| K | clients | m | ours (s) | naive (s) | speed-up | QP rows certified | max rel. objective gap vs cvxpy |")

@@ -14,10 +14,11 @@ from client_app.train import LocalUpdate, finetune_head, local_update
 from client_app.train import evaluate as evaluate_model
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
-from common.data import check_shape, load_client_directory, load_dataset, to_tensors
+from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.methods import METHODS
 from common.model import FedPACNet
 from common.partition import client_split
+from client_app.site_model import SiteModel, save_site_model
 
 app = ClientApp()
 
@@ -60,12 +61,13 @@ def client_tensors(
         data = check_shape(load_client_directory(data_path, cfg.num_classes), cfg)
         train = data.train_images, data.train_labels
         test = data.test_images, data.test_labels
+        mean, std = run_normalization(cfg)  # the run's, never this site's own statistics
     else:
         data = load_dataset(cfg)
         split = client_split(cfg, partition_id, num_partitions)
         train = data.train_images[split.train_indices], split.train_labels
         test = data.test_images[split.test_indices], split.test_labels
-    mean, std = data.train_normalization  # the client's own data, or the whole dataset's
+        mean, std = run_normalization(cfg, data)
     return (*to_tensors(*train, mean, std, device), *to_tensors(*test, mean, std, device))
 
 
@@ -141,6 +143,22 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, msg: Message, accuracy: float) -> None:
+    """A deployed site (node config ``model-dir``) keeps the model it just evaluated, its
+    personalized model, after the last round and every ``save-model-every`` rounds."""
+    model_dir = str(context.node_config.get("model-dir", ""))
+    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    every = cfg.save_model_every
+    if model_dir and (server_round == cfg.num_server_rounds or (every and server_round % every == 0)):
+        partition_id, _ = partition_of(context)
+        mean, std = run_normalization(cfg, None if data_path_of(context) else load_dataset(cfg))
+        save_site_model(model_dir, model, SiteModel(
+            method=cfg.strategy, run_id=context.run_id, round=server_round, partition_id=partition_id,
+            accuracy=accuracy, num_classes=cfg.num_classes, image_size=cfg.image_size,
+            image_channels=cfg.image_channels, mean=[float(v) for v in mean], std=[float(v) for v in std],
+        ))
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalized accuracy: the model the server sent for this client, on its own test split.
@@ -156,6 +174,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
         finetune_head(model, x, y, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, x_test, y_test)
+    _keep_site_model(model, cfg, context, msg, accuracy)
     metrics = MetricRecord(
         {
             p.PARTITION_ID: partition_id,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import cvxpy as cp
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from common.simplex_qp import solve_simplex_qps
 
@@ -29,6 +30,8 @@ QP_SOLVER = "CLARABEL"
 # Relative ridge added to P: P is PSD in exact arithmetic, but float noise can make it
 # slightly indefinite, which convex solvers reject.
 RIDGE = 1e-10
+# BLAS threads of the collaboration step (see collaboration_weights).
+SOLVER_BLAS_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -123,15 +126,29 @@ def collaboration_weights(
     it cannot certify to cvxpy; ``solver="cvxpy"`` solves row by row with cvxpy (the reference).
     A row no solver can do falls back to alpha_i = e_i (the client keeps its own head).
     """
+    # The solver is many medium-sized matrix products. On a machine where another process holds
+    # a core, OpenBLAS's threads wait on each other at every product (31x slower at m = 1000 with
+    # one of two cores taken); on one thread the loaded time stays near the idle one
+    # (docs/PERFORMANCE.md, bench/server_aggregation.py --busy).
+    with threadpool_limits(limits=SOLVER_BLAS_THREADS, user_api="blas"):
+        return _collaboration_weights(h, v, n, threshold, solver)
+
+
+def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshold: float,
+                           solver: str) -> CollaborationResult:
     m = len(h)
     gram = gram_matrix(h)
     variance = variance_terms(v, n)
     alpha = np.zeros((m, m))
     status = ["cvxpy"] * m
     if solver == "vectorized" and np.isfinite(gram).all() and np.isfinite(variance).all():
-        batch = solve_simplex_qps(gram + np.diag(variance), gram)
-        for i in np.flatnonzero(batch.converged):
-            alpha[i], status[i] = sparsify(batch.alpha[i], threshold), "optimal"
+        try:
+            batch = solve_simplex_qps(gram + np.diag(variance), gram)
+        except (ArithmeticError, ValueError, np.linalg.LinAlgError) as err:
+            log.warning("vectorized collaboration QPs failed (%s); solving every row with cvxpy", err)
+        else:
+            for i in np.flatnonzero(batch.converged):
+                alpha[i], status[i] = sparsify(batch.alpha[i], threshold), "optimal"
     for i in (i for i in range(m) if status[i] == "cvxpy"):
         try:
             alpha[i] = sparsify(solve_simplex_qp(collaboration_matrix(gram, variance, i)), threshold)

@@ -76,12 +76,19 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     test_samples_per_client: int = 200
     dirichlet_alpha: float = 0.5
     pathological_classes: int = 2
+    # Input normalization, one per run so every client's features live on one scale: per-channel
+    # values ("0.5" or "0.49,0.48,0.45"); empty = the dataset's constants (``common.data``).
+    normalize_mean: str = ""
+    normalize_std: str = ""
     # Run
     seed: int = 0
     device: str = "auto"
     mixed_precision: bool = False
     output_dir: str = "outputs"
     resume_from: str = ""
+    # Each deployed site keeps its personalized model (node config model-dir) after the last
+    # round; with N > 0 also after every N-th round.
+    save_model_every: int = 0
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -166,9 +173,41 @@ def _validate(cfg: FedPACConfig) -> None:
         cfg.pathological_classes,
         f"in [1, num-classes = {cfg.num_classes}]",
     )
+    for name in ("normalize_mean", "normalize_std"):
+        value = getattr(cfg, name)
+        _check(_channel_values(value, cfg.image_channels, positive=name == "normalize_std") is not None,
+               k(name), value, f"empty or {cfg.image_channels} comma-separated number(s)"
+               + (" > 0" if name == "normalize_std" else ""))
+    _check(bool(cfg.normalize_mean.strip()) == bool(cfg.normalize_std.strip()), k("normalize_std"),
+           cfg.normalize_std, "set together with normalize-mean (both or neither)")
+    _check(cfg.save_model_every >= 0, k("save_model_every"), cfg.save_model_every, ">= 0")
     _check(cfg.seed >= 0, k("seed"), cfg.seed, ">= 0")
     _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
+
+
+def _channel_values(text: str, channels: int, positive: bool = False) -> tuple[float, ...] | None:
+    """``()`` for an empty string, one float per channel, or None when malformed."""
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        return None
+    if len(values) != channels or any(v != v or (positive and v <= 0) for v in values):
+        return None
+    return values
+
+
+def configured_normalization(cfg: FedPACConfig) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(mean, std) fixed in the run config, or None when the dataset's constants apply."""
+    mean = _channel_values(cfg.normalize_mean, cfg.image_channels)
+    std = _channel_values(cfg.normalize_std, cfg.image_channels, positive=True)
+    if not mean and not std:
+        return None
+    if not mean or not std:
+        raise ConfigError("run config 'normalize-mean' and 'normalize-std' must be set together")
+    return mean, std
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> FedPACConfig:

@@ -17,13 +17,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import FedPACConfig
+from common.config import FedPACConfig, configured_normalization
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 CIFAR10_HF_REPO = "uoft-cs/cifar10"
 # Class-stratified split of the embedded 5,000 images (500 per class) into train and test pools.
 EMBEDDED_TEST_PER_CLASS = 150
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+# Per-channel (mean, std) of each named dataset's training images, in [0, 1] units. Every client
+# of a run normalizes with the same values, whether it holds a slice of the dataset (simulation)
+# or its own data folder (deployment): a site's own statistics would put its features on
+# another scale than its peers' and shift the centroids, h_i and V_i the server compares.
+# Values: `normalization(train_images)` of the whole training set (MNIST: its 60,000 images).
+DATASET_NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist-5k": ((0.13102469559252272,), (0.3081915009877465,)),
+    "fashion-mnist": ((0.2860405969887955,), (0.3530242445149226,)),
+    "mnist": ((0.13066047740239506,), (0.3081078038564622,)),
+    "cifar10": ((0.4913996786152028, 0.4821584083946076, 0.44653091444546616),
+                (0.24703223246328202, 0.24348512800005568, 0.26158784172796473)),
+}
+NORMALIZATION_EPSILON = 1e-8  # added to the std before dividing
 _IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -68,6 +81,29 @@ class ImageDataset:
     def image_shape(self) -> tuple[int, int, int]:
         """(height, width, channels)."""
         return tuple(self.train_images.shape[1:])  # type: ignore[return-value]
+
+
+def run_normalization(cfg: FedPACConfig, dataset: ImageDataset | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The one (mean, std) of a run: the run config's, else the named dataset's constants, else
+    (a generic Hugging Face dataset) the statistics of the run's whole training set.
+
+    ``dataset`` is the run's dataset where this process has it (simulation, demos); a deployed
+    site with its own data folder passes None, and then a dataset without constants needs the
+    values in the run config: a statistic of one site's data is never used.
+    """
+    configured = configured_normalization(cfg)
+    if configured is None and cfg.dataset in DATASET_NORMALIZATION:
+        configured = DATASET_NORMALIZATION[cfg.dataset]
+    if configured is not None:
+        mean, std = configured
+        return np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
+    if dataset is None:
+        raise DataError(
+            f"dataset '{cfg.dataset}' has no fixed normalization: set run config keys normalize-mean "
+            "and normalize-std (one value per channel, e.g. the training set's) so that every site "
+            "normalizes its data alike"
+        )
+    return dataset.train_normalization
 
 
 def load_embedded_mnist() -> ImageDataset:
@@ -272,7 +308,7 @@ def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # reductions in float64 without a float64 copy of the whole dataset
     mean = pixels.mean(axis=0, dtype=np.float64)
     std = pixels.std(axis=0, dtype=np.float64)
-    return mean / 255.0, std / 255.0 + 1e-8
+    return mean / 255.0, std / 255.0
 
 
 def to_tensors(
@@ -286,7 +322,7 @@ def to_tensors(
     x = torch.from_numpy(np.ascontiguousarray(images)).to(device)
     x = x.permute(0, 3, 1, 2).float().div_(255.0)
     mean_t = torch.as_tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    std_t = torch.as_tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std + NORMALIZATION_EPSILON, dtype=torch.float32, device=device).view(1, -1, 1, 1)
     x = ((x - mean_t) / std_t).contiguous()
     y = torch.as_tensor(labels, dtype=torch.int64, device=device)
     return x, y

@@ -23,13 +23,28 @@ done
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 build_args=(--build-arg "BASE_IMAGE=$base")
+# The host's address on Docker's default bridge, where build containers reach the wheelhouse.
+# Right after dockerd's first start on a fresh data root, `network inspect` has been seen to
+# report no gateway yet: ask again, then read the docker0 interface itself.
+bridge_address() {
+  local address=""
+  for _ in $(seq 20); do
+    address="$(docker network inspect bridge --format '{{range .IPAM.Config}}{{.Gateway}}{{end}}' 2>/dev/null)"
+    [ -n "$address" ] || address="$(ip -4 -o addr show docker0 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -n1)"
+    [[ "$address" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]] && { echo "$address"; return 0; }
+    sleep 0.5
+  done
+  echo "build-images.sh: cannot find the host's address on Docker's bridge network (docker network inspect bridge" \
+       "gave '$address', and no IPv4 address on docker0): is dockerd running with its default bridge?" >&2
+  return 1
+}
 if [ "$wheelhouse" = 1 ]; then
   python="${PYTHON:-python3}"
   "$python" deploy/docker/requirements.py pyproject.toml > deploy/docker/wheels/requirements.txt
   "$python" -m pip download --quiet --only-binary=:all: --dest deploy/docker/wheels \
     -r deploy/docker/wheels/requirements.txt
   # Served, not copied into the build context: a 3 GB COPY layer would stay in the image.
-  gateway="$(docker network inspect bridge --format '{{(index .IPAM.Config 0).Gateway}}')"
+  gateway="$(bridge_address)" || exit 1
   port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
   "$python" -m http.server --bind "$gateway" --directory deploy/docker/wheels "$port" >/dev/null 2>&1 &
   server=$!

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
 from experiments.grid import NOT_IDENTITY, Cell, Experiment, Setting  # noqa: E402  pylint: disable=wrong-import-position
-from server_app.report import atomic_write, plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
+from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
+from server_app.report import plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
 
 SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
 CURVE_COLUMNS = ("method", "setting", "round", "seeds", "mean", "std")

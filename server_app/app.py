@@ -20,7 +20,9 @@ from common.methods import METHODS, Rule
 from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
 from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from server_app.report import RoundRecord, RunReport, atomic_write, npz_bytes
+from server_app.grid import ResponsiveGrid
+from common.files import atomic_write, npz_bytes
+from server_app.report import RoundRecord, RunReport
 from server_app.strategy import FedPAC
 
 app = ServerApp()
@@ -146,6 +148,6 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
 def main(grid: Grid, context: Context) -> None:
     """Run FedPAC (or the run config's baseline) for ``num-server-rounds`` rounds."""
     cfg = parse_run_config(context.run_config)  # fails before any training on a bad value
-    _, report = run_fedpac(grid, cfg, context.run_id)
+    _, report = run_fedpac(ResponsiveGrid(grid), cfg, context.run_id)
     log(INFO, "%s finished: final mean personalized accuracy %.2f%%; outputs in %s", cfg.strategy,
         100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), report.directory)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from common import protocol as p
-from server_app.report import RoundRecord, atomic_write, npz_bytes
+from common.files import atomic_write, npz_bytes
+from server_app.report import RoundRecord
 
 FILE_NAME = "checkpoint.npz"
 FORMAT_VERSION = 1

@@ -23,6 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-position
 
+from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
+
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "test_loss", "num_examples", "v",
     "head_loss", "train_loss", "align_loss", "train_seconds", "eval_seconds", "bytes_sent", "bytes_received",
@@ -66,23 +68,6 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     def qp_fallbacks(self) -> int:
         """Clients whose QP no solver could do (they kept their own head)."""
         return sum(status.startswith("fallback") for status in self.solver_status)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write, flush to disk, then rename: readers see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-
-
-def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    """An .npz archive of ``arrays``, in memory (for :func:`atomic_write`)."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
 
 
 class RunReport:

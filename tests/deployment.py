@@ -145,13 +145,16 @@ class Federation(Workstation):
         super().register(self.certs / "keys", *node_ids)
 
     def start_node(self, pid: int, *, data_path: Path | None = None, key: int | None = None,
-                   restarts: int = 18) -> subprocess.Popen:
-        """SuperNode ``pid`` (authenticating with key ``key``, by default its own)."""
+                   restarts: int = 18, executor: str = "warm", model_dir: Path | None = None) -> subprocess.Popen:
+        """SuperNode ``pid`` (authenticating with key ``key``, by default its own), its ClientApp
+        run by ``executor`` (``warm`` or Flower's own ``cold``), its model kept in ``model_dir``
+        (default: ``<workdir>/models/client-<pid>``)."""
         key_file = self.certs / "keys" / f"supernode-{pid if key is None else key}"
         command = [str(ROOT / "deploy" / "supernode.sh"), "--superlink", self.fleet_address,
                    "--ca", str(self.certs / "ca.crt"), "--key", str(key_file),
                    "--partition-id", str(pid), "--num-partitions", str(self.num_nodes),
-                   "--port", str(free_port()), "--restarts", str(restarts)]
+                   "--port", str(free_port()), "--restarts", str(restarts), "--executor", executor,
+                   "--model-dir", str(model_dir or self.workdir / "models" / f"client-{pid}")]
         if data_path is not None:
             command += ["--data-path", str(data_path)]
         self.supernodes[pid] = self._spawn(f"node-{pid}", f"supernode-{pid}", command)

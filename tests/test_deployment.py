@@ -5,12 +5,17 @@ started with deploy/superlink.sh and deploy/supernode.sh and driven by `flwr run
 from __future__ import annotations
 
 import csv
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+
+from client_app import site_model
 
 from tests.deployment import (
     FEDERATION,
@@ -64,9 +69,53 @@ def test_tls_federation_with_node_auth_trains_on_local_data_and_refuses_an_unreg
     assert [int(r["round"]) for r in rounds] == [1, 2]
     assert all(int(r["num_trained"]) == 3 and int(r["num_evaluated"]) == 3 for r in rounds)
     assert (run_dir(out) / "final_state.npz").exists()
-    examples = {row["partition_id"]: int(row["num_examples"])
-                for row in csv.DictReader((run_dir(out) / "clients.csv").open()) if row["round"] == "2"}
+    last = [row for row in csv.DictReader((run_dir(out) / "clients.csv").open()) if row["round"] == "2"]
+    examples = {row["partition_id"]: int(row["num_examples"]) for row in last}
     assert examples == {"0": 100, "1": 100, "2": 80}  # node 2 read its own directory
+
+    # Every site kept its personalized model; the one on its own data reproduces its accuracy
+    # through the documented predict entry point.
+    for row in last:
+        info = json.loads((tmp_path / "models" / f"client-{row['partition_id']}" / "model.json").read_text())
+        assert info["round"] == 2 and info["partition_id"] == int(row["partition_id"])
+        assert info["accuracy"] == pytest.approx(float(row["accuracy"]))
+    predictions = tmp_path / "predictions.csv"
+    assert site_model.main([str(tmp_path / "models" / "client-2"), str(data / "client-2" / "test.npz"),
+                            "--out", str(predictions)]) == 0
+    with np.load(data / "client-2" / "test.npz") as test:
+        labels = test["y"]
+    predicted = [int(r["class"]) for r in csv.DictReader(predictions.open())]
+    assert np.mean(np.asarray(predicted) == labels) == pytest.approx(float(last[2]["accuracy"]))
+
+
+def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_path, certs, monkeypatch):
+    """The simulation's partitions as each site's own data folder, two sites in warm workers and
+    one with Flower's own process per message: the final model is the simulation's, bit for bit
+    (one normalization for every client, and the warm worker computes what a fresh process does)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
+    config = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
+              "num-server-rounds": 2, "min-available-clients": 3}
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
+                    "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
+    simulated = tmp_path / "simulated"
+    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
+                    json.dumps({**config, "output-dir": str(simulated)})],
+                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
+    try:
+        federation.register(0, 1, 2)
+        for pid in range(3):
+            federation.start_node(pid, data_path=data / f"client-{pid}", executor="cold" if pid == 0 else "warm")
+        deployed = tmp_path / "out"
+        run_id = federation.submit(" ".join(f"{k}={v}" for k, v in config.items()) + f" output-dir='{deployed}'")
+        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    finally:
+        federation.close()
+    with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(deployed) / "final_state.npz") as dep:
+        assert sorted(sim.files) == sorted(dep.files)
+        for key in sim.files:
+            assert np.array_equal(sim[key], dep[key]), key
 
 
 def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_path):

@@ -10,6 +10,7 @@ the Python wheels come from the host (deploy/build-images.sh --wheelhouse).
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -135,6 +136,11 @@ def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
         assert [int(r["num_trained"]) for r in rounds] == [3, 3]
         assert all(0 < float(r["mean_accuracy"]) <= 1 for r in rounds)
         assert (run_dir / "final_state.npz").exists() and (run_dir / "accuracy.png").exists()
+        # every site keeps its personalized model in its own volume
+        cluster("cp", "clientapp-1:/app/models", str(tmp_path / "site-1"))
+        info = json.loads((tmp_path / "site-1" / "model.json").read_text())
+        assert info["round"] == 2 and info["partition_id"] == 1 and info["run_id"] == int(run_id)
+        assert (tmp_path / "site-1" / "model.pt").stat().st_size > 400_000
         networks = _docker("network", "ls", "--filter", f"label=com.docker.compose.project={PROJECT}",
                            "--format", "{{.Name}} {{.Internal}}").stdout.split("\n")
         assert all(line.endswith("true") for line in networks if line), networks

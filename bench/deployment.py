@@ -1,0 +1,175 @@
+"""Benchmark: a deployed round against a simulated one, and what one ClientApp message costs.
+
+One FedPAC run config (Fashion-MNIST, paper protocol: 20 clients, 600 samples, E = 5, full
+participation) runs three times on this machine, one after the other:
+
+1. as Flower's Ray simulation (``experiments.simulation``, one CPU per client);
+2. as a localhost deployment: a SuperLink and N SuperNodes started with ``deploy/superlink.sh``
+   and ``deploy/supernode.sh`` (TLS, SuperNode authentication), each ClientApp in a warm worker
+   (``deploy/warm_executor.py``), driven by ``flwr run`` like a user's workstation;
+3. (``--cold-rounds`` > 0) the same deployment with Flower's own executor, a fresh ClientApp
+   process per message (``supernode.sh --executor cold``): the "before".
+
+Every process gets one torch thread (``OMP_NUM_THREADS=1``), as Ray gives each simulated
+client one CPU, so the runs compute the same thing and must report the same accuracies.
+Reported: median round wall time over rounds 2..R of each, the ratio deployment / simulation,
+and the largest per-round accuracy difference. Then a per-message breakdown, measured in a
+fresh process like the one Flower's own executor starts for every message: interpreter and
+imports, data loading, device set-up, compute, reply; and the same for a second message in the
+same process (what a warm worker pays).
+
+    python bench/deployment.py --clients 20 --rounds 5 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.deployment import Federation, create_certificates, rounds_of  # noqa: E402
+
+
+def paper_config(args: argparse.Namespace) -> dict:
+    return {"dataset": args.dataset, "num-server-rounds": args.rounds, "seed": args.seed,
+            "min-available-clients": args.clients}
+
+
+def simulate(args: argparse.Namespace, out: Path) -> list[dict]:
+    config = {**paper_config(args), "output-dir": str(out)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_TELEMETRY_ENABLED": "0"}
+    subprocess.run([sys.executable, "-m", "experiments.simulation", "--run-config", json.dumps(config),
+                    "--clients", str(args.clients), "--cpus-per-client", "1"],
+                   cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return rounds_of(out)
+
+
+def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int) -> list[dict]:
+    work.mkdir(parents=True)
+    certs = create_certificates(work / "certs", args.clients)
+    federation = Federation(work, certs, args.clients)
+    try:
+        federation.register(*range(args.clients))
+        for pid in range(args.clients):
+            federation.start_node(pid, executor=executor)
+        out = work / "out"
+        config = {**paper_config(args), "num-server-rounds": rounds, "output-dir": str(out)}
+        run_id = federation.submit(" ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
+        status = federation.wait(run_id, timeout=args.timeout)
+        if status != "finished:completed":
+            raise RuntimeError(f"{executor} deployment run {status}:\n{federation.log(run_id)[-3000:]}")
+        return rounds_of(out)
+    finally:
+        federation.close()
+
+
+def median_round(rounds: list[dict]) -> float:
+    """Median wall time of rounds 2..R (round 1 includes first-message work in every setting)."""
+    return statistics.median(float(r["seconds"]) for r in rounds[1:] or rounds)
+
+
+_MESSAGE_PROBE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+import client_app.app as ca
+from client_app.train import local_update
+from common.config import parse_run_config
+t_import = time.perf_counter() - t0 + float(sys.argv[2])
+
+def message(cfg):
+    t = {}
+    s = time.perf_counter(); device = ca.select_device(cfg.device)
+    model = ca.FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
+    t["device set-up"] = time.perf_counter() - s
+    s = time.perf_counter(); x, y, _, _ = ca.client_tensors(cfg, 0, int(sys.argv[3]), device)
+    t["data loading"] = time.perf_counter() - s
+    s = time.perf_counter()
+    local_update(model, x, y, None, None, cfg, ca._generator(cfg, 1, 0))
+    t["compute"] = time.perf_counter() - s
+    s = time.perf_counter()
+    content = RecordDict({"arrays": ArrayRecord(torch_state_dict=model.state_dict())})
+    sum(len(o.deflate()) for o in get_all_nested_objects(content).values())
+    t["reply"] = time.perf_counter() - s
+    return t
+
+cfg = parse_run_config(json.loads(sys.argv[1]))
+cold = {"interpreter + imports": t_import, **message(cfg)}
+warm = {"interpreter + imports": 0.0, **message(cfg)}
+print(json.dumps({"cold": cold, "warm": warm}))
+"""
+
+
+def message_breakdown(args: argparse.Namespace) -> dict:
+    """Seconds per part of one train message, in a fresh process (cold) and again in it (warm)."""
+    started = time.perf_counter()
+    interpreter = subprocess.run([sys.executable, "-c", "pass"], check=True)
+    bare = time.perf_counter() - started  # the interpreter's own start-up, counted with imports
+    del interpreter
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", _MESSAGE_PROBE, json.dumps(paper_config(args)), str(bare),
+                             str(args.clients)], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--clients", type=int, default=20)
+    cli.add_argument("--rounds", type=int, default=5)
+    cli.add_argument("--cold-rounds", type=int, default=2, help="rounds of the cold-executor run (0: skip it)")
+    cli.add_argument("--dataset", default="fashion-mnist")
+    cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument("--timeout", type=float, default=3600, help="seconds per deployment run")
+    cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = cli.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per client, as in the simulation
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
+
+    results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset}
+    timed = {"simulation": simulate(args, work / "simulation"),
+             "deployment": deploy(args, work / "warm", "warm", args.rounds)}
+    if args.cold_rounds:
+        timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds)
+    for name, rounds in timed.items():
+        results[name] = {"round_seconds": [float(r["seconds"]) for r in rounds],
+                         "accuracy": [float(r["mean_accuracy"]) for r in rounds],
+                         "median_round_seconds": median_round(rounds)}
+    sim, dep = results["simulation"], results["deployment"]
+    results["ratio"] = dep["median_round_seconds"] / sim["median_round_seconds"]
+    results["max_accuracy_difference"] = max(abs(a - b) for a, b in zip(sim["accuracy"], dep["accuracy"]))
+    results["message_breakdown"] = message_breakdown(args)
+
+    (args.out / "deployment.json").write_text(json.dumps(results, indent=2) + "\n")
+    with open(args.out / "deployment.csv", "w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(["setting", "median_round_seconds", "rounds", "final_accuracy"])
+        for name in timed:
+            writer.writerow([name, f"{results[name]['median_round_seconds']:.2f}",
+                             len(results[name]["accuracy"]), f"{results[name]['accuracy'][-1]:.4f}"])
+    for name in timed:
+        print(f"{name:28s} median round {results[name]['median_round_seconds']:6.2f} s "
+              f"over {len(results[name]['accuracy'])} rounds, accuracy by round "
+              + " ".join(f"{100 * a:.2f}" for a in results[name]["accuracy"]))
+    print(f"deployment / simulation: {results['ratio']:.2f}x (goal <= 1.3x); largest accuracy "
+          f"difference {100 * results['max_accuracy_difference']:.4f} points")
+    for kind, parts in results["message_breakdown"].items():
+        fixed = sum(v for k, v in parts.items() if k != "compute")
+        print(f"{kind} message: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())
+              + f" | fixed cost {fixed:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""``flower-supernode`` that looks for new messages every half second instead of every 3 s.
+
+Flower 1.39's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps a fixed 3 s after
+every pull that found no message, and 0.5 s between looks for its ClientApp's reply. In a
+federation every node is idle while the server aggregates, so each phase of each round waits up
+to 3 s (about 2.9 s with 20 nodes: the slowest node decides) before any training starts, which
+is a large part of a round that computes for a few seconds. This launcher runs the unchanged
+``flower-supernode`` (same arguments, same TLS, authentication and gRPC) with those two waits
+shortened to ``FEDPAC_NODE_PULL_INTERVAL`` (default 0.5 s) and 0.1 s. An idle node then asks the
+SuperLink about twice a second, a small authenticated request.
+
+    python deploy/fast_supernode.py --superlink HOST:9092 ...   # flower-supernode's arguments
+
+``deploy/supernode.sh`` and the compose cluster start SuperNodes this way; ``supernode.sh
+--executor cold`` runs Flower's own ``flower-supernode`` unchanged. The waits are found by
+value in the loop's source (a test checks they are still there), so a Flower version whose loop
+differs fails that test instead of silently running at its own pace.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+
+import flwr.supernode.start_client_internal as supernode_loop
+from flwr.supernode.cli.flower_supernode import flower_supernode
+
+IDLE_PULL_WAIT = 3.0  # Flower 1.39's wait after an empty pull
+REPLY_WAIT = 0.5  # Flower 1.39's wait between looks for the ClientApp's reply
+
+
+def shortened_sleep(pull_interval: float, reply_interval: float = 0.1):  # noqa: ANN201
+    """``time.sleep`` for the SuperNode loop: its two fixed waits shortened, any other kept."""
+    def sleep(seconds: float) -> None:
+        if seconds == IDLE_PULL_WAIT:
+            seconds = pull_interval
+        elif seconds == REPLY_WAIT:
+            seconds = reply_interval
+        time.sleep(seconds)
+
+    return sleep
+
+
+def patched_time_module(pull_interval: float) -> types.SimpleNamespace:
+    """The ``time`` module as the SuperNode loop sees it: everything but ``sleep`` unchanged."""
+    names = {name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    return types.SimpleNamespace(**{**names, "sleep": shortened_sleep(pull_interval)})
+
+
+def main() -> None:
+    try:
+        interval = float(os.environ.get("FEDPAC_NODE_PULL_INTERVAL", "0.5"))
+    except ValueError:
+        interval = -1.0
+    if not 0.05 <= interval <= IDLE_PULL_WAIT:
+        sys.exit(f"fast_supernode: FEDPAC_NODE_PULL_INTERVAL must be between 0.05 and {IDLE_PULL_WAIT} s, "
+                 f"got {os.environ.get('FEDPAC_NODE_PULL_INTERVAL')!r}")
+    supernode_loop.time = patched_time_module(interval)  # type: ignore[assignment]
+    sys.argv[0] = "flower-supernode"
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""A warm SuperExec for a SuperNode's ClientApp tasks: the app is loaded once per run, not once
+per message.
+
+Flower 1.39's ``flower-superexec`` starts a fresh ``flwr-clientapp`` process for every message a
+SuperNode receives; each one imports torch and Flower again and loads the node's data again
+(about 5 s on a 2-core CPU, before any training; on a GPU it would also initialise CUDA again).
+This executor takes the SuperExec's place (``flower-supernode --isolation process``) and hands
+every task to a long-lived worker process that keeps the ClientApp, torch, the CUDA context and
+the node's decoded data resident, the way the simulation's Ray actors do.
+
+What stays as in Flower:
+
+* the tasks come from the SuperNode's Runtime API, acquired with the node's SuperExec secret
+  (HMAC), and each task runs with its own one-time token: pull the message, context, run and FAB,
+  call the ClientApp, push the reply and the task's status, heartbeats while it runs;
+* the ClientApp code is the run's FAB, installed under ``$FLWR_HOME`` like ``flwr-clientapp``
+  does; a worker serves one FAB (one app version), so a new run with other code gets a new
+  worker, and idle workers of older FABs are stopped;
+* the worker is this executor's child, reached only through an inherited pipe (no socket);
+* a ClientApp that raises becomes an error reply, exactly as in ``flwr-clientapp``; a worker
+  that dies (killed, out of memory) is replaced for the next task.
+
+Run it next to a SuperNode started with ``--isolation process`` (``deploy/supernode.sh`` does)::
+
+    python deploy/warm_executor.py --runtime-api-address 127.0.0.1:9094 --insecure \
+        --superexec-auth-secret-file supernode-0.secret
+
+This file imports only Flower (and the standard library), so it runs in any environment that
+can run the app, and the container images carry it as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from logging import ERROR, INFO, WARNING
+from multiprocessing.connection import Connection
+
+import httpx
+from flwr.app import Message
+from flwr.app.error import Error
+from flwr.cli.install import install_from_fab
+from flwr.clientapp.client_app import ClientApp, LoadClientAppError
+from flwr.clientapp.utils import get_load_client_app_fn
+from flwr.common.constant import ErrorCode, SubStatus
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # pylint: disable=E0611
+from flwr.supercore import log
+from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender
+from flwr.supercore.interceptors import (
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
+    SuperExecAuthHttpInterceptor,
+)
+from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.tls import validate_and_resolve_root_certificates
+from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+# Methods of the Runtime API that the SuperNode guards with the SuperExec secret (as Flower's own).
+_SUPEREXEC_AUTH_METHODS = frozenset(
+    {"/flwr.proto.Runtime/AcquireTask", "/flwr.proto.Runtime/PullPendingTasks", "/flwr.proto.Runtime/ClaimTask"}
+)
+_IDLE_WORKERS_KEPT = 1  # workers of FABs other than the latest one are stopped when idle
+
+
+@dataclass(frozen=True)
+class RuntimeEndpoint:
+    """Where and how to reach the SuperNode's Runtime API (picklable: it goes to the workers)."""
+
+    address: str
+    insecure: bool
+    root_certificates: bytes | None
+
+    def client(self, *interceptors) -> RuntimeHttpClient:  # noqa: ANN002
+        return RuntimeHttpClient.from_server_address(
+            server_address=self.address,
+            insecure=self.insecure,
+            root_certificates=self.root_certificates,
+            interceptors=list(interceptors),
+            retry_invoker=make_simple_http_retry_invoker(),
+        )
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _heartbeat_fn(client: RuntimeHttpClient):  # noqa: ANN202
+    """Flower's task heartbeat, except that a refused heartbeat ends the task, not the worker
+    (``flwr-clientapp`` raises SIGINT, which here would stop every later task too)."""
+    request = SendTaskHeartbeatRequest()
+
+    def send() -> bool:
+        try:
+            return bool(client.SendTaskHeartbeat(request).success)
+        except httpx.HTTPError:
+            return False
+
+    return send
+
+
+class TaskRunner:
+    """Runs ClientApp tasks one after another in this process, the app loaded once per FAB."""
+
+    def __init__(self, endpoint: RuntimeEndpoint) -> None:
+        self.endpoint = endpoint
+        self.apps: dict[str, ClientApp] = {}
+        self._load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+
+    def app_for(self, fab_id: str, fab_version: str, fab_hash: str, fab_content: bytes) -> ClientApp:
+        if fab_hash not in self.apps:
+            install_from_fab(fab_content, skip_prompt=True)
+            self.apps[fab_hash] = self._load(fab_id, fab_version, fab_hash)
+        return self.apps[fab_hash]
+
+    def run(self, token: str) -> str:
+        """One task, as ``flwr-clientapp --token`` runs it; returns its final sub-status."""
+        client = self.endpoint.client(
+            RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"), RuntimeTokenHttpInterceptor(token)
+        )
+        heartbeat = HeartbeatSender(_heartbeat_fn(client))
+        heartbeat.start()
+        message = reply = context = None
+        sub_status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+        try:
+            message, context, run, fab = pull_task_input(client)
+            app = self.app_for(run.fab_id, run.fab_version, fab.hash_str, fab.content)
+            reply = app(message=message, context=context)
+            sub_status, details = SubStatus.COMPLETED, ""
+        except Exception as ex:  # pylint: disable=broad-exception-caught  # as flwr-clientapp
+            code, reason = ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(ex)}:<'{ex}'>"
+            if isinstance(ex, LoadClientAppError):
+                code, reason = ErrorCode.LOAD_CLIENT_APP_EXCEPTION, "An exception was raised when attempting to load `ClientApp`"
+            log(ERROR, "ClientApp raised an exception", exc_info=ex)
+            details = reason
+            if message is not None:
+                reply = Message(Error(code=code, reason=reason), reply_to=message)
+        finally:
+            if reply is not None and context is not None:
+                try:
+                    push_message(client, reply, context)
+                except Exception as ex:  # pylint: disable=broad-exception-caught
+                    log(ERROR, "Failed to push reply message", exc_info=ex)
+                    sub_status = SubStatus.FAILED
+            push_task_output(client, context, sub_status, details)
+            heartbeat.stop()
+            client.close()
+        return sub_status
+
+
+def worker_main(connection: Connection, endpoint: RuntimeEndpoint) -> None:
+    """A worker: receive tokens over the pipe, run each task, answer with its sub-status."""
+    runner = TaskRunner(endpoint)
+    while True:
+        try:
+            token = connection.recv()
+        except EOFError:  # the executor is gone
+            return
+        connection.send(runner.run(token))
+
+
+# ---------------------------------------------------------------------------- executor side
+
+
+class Worker:
+    """A worker process for one FAB, and the pipe to it."""
+
+    def __init__(self, fab_hash: str, endpoint: RuntimeEndpoint) -> None:
+        context = multiprocessing.get_context("spawn")  # no inherited threads or locks
+        self.fab_hash = fab_hash
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(child, endpoint), daemon=True,
+                                       name=f"clientapp-worker-{fab_hash[:8]}")
+        self.process.start()
+        child.close()
+        self.last_used = time.monotonic()
+
+    def run(self, token: str) -> str | None:
+        """Hand a task over and wait for it; None when the worker died on it."""
+        self.last_used = time.monotonic()
+        try:
+            self.connection.send(token)
+            while not self.connection.poll(1.0):
+                if not self.process.is_alive():
+                    return None
+            return str(self.connection.recv())
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return None
+
+    def stop(self) -> None:
+        self.connection.close()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class WarmExecutor:
+    """Acquires the SuperNode's ClientApp tasks and runs them in warm workers, one per FAB."""
+
+    def __init__(self, endpoint: RuntimeEndpoint, secret: bytes | None, poll_interval: float) -> None:
+        self.endpoint = endpoint
+        self.poll_interval = poll_interval
+        interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+        if secret:
+            interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret,
+                                                             protected_methods=_SUPEREXEC_AUTH_METHODS))
+        self.client = endpoint.client(*interceptors)
+        self.workers: dict[str, Worker] = {}
+
+    def worker_for(self, fab_hash: str) -> Worker:
+        worker = self.workers.get(fab_hash)
+        if worker is None or not worker.process.is_alive():
+            if worker is not None:
+                log(WARNING, "ClientApp worker for FAB %s died (exit code %s); starting a new one",
+                    fab_hash[:8], worker.process.exitcode)
+            worker = self.workers[fab_hash] = Worker(fab_hash, self.endpoint)
+            log(INFO, "Started a ClientApp worker (pid %d) for FAB %s", worker.process.pid, fab_hash[:8])
+        self._retire_old(keep=fab_hash)
+        return worker
+
+    def _retire_old(self, keep: str) -> None:
+        """Stop workers of other FABs beyond the newest few: an old run's app leaves memory."""
+        others = sorted((w for h, w in self.workers.items() if h != keep), key=lambda w: w.last_used)
+        for worker in others[: max(0, len(others) - (_IDLE_WORKERS_KEPT - 1))]:
+            worker.stop()
+            del self.workers[worker.fab_hash]
+
+    def step(self) -> bool:
+        """Acquire and run at most one task; True when one ran."""
+        response = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        if not (response.HasField("task") and response.token):
+            return False
+        status = self.worker_for(response.task.fab_hash).run(response.token)
+        if status is None:
+            log(ERROR, "ClientApp worker died while running task %d; the task expires, the next "
+                "one gets a new worker", response.task.task_id)
+        return True
+
+    def serve(self) -> None:
+        try:
+            while True:
+                if not self.step():
+                    time.sleep(self.poll_interval)
+        finally:
+            for worker in self.workers.values():
+                worker.stop()
+            self.client.close()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Stop when the SuperNode that started us is gone (like ``--parent-pid`` of Flower's)."""
+    def watch() -> None:
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)  # pylint: disable=protected-access
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+    cli.add_argument("--runtime-api-address", default="127.0.0.1:9094",
+                     help="the SuperNode's Runtime API (flower-supernode --port)")
+    cli.add_argument("--insecure", action="store_true", help="reach the Runtime API without TLS")
+    cli.add_argument("--root-certificates", help="CA certificate of the Runtime API's TLS")
+    cli.add_argument("--superexec-auth-secret-file", help="the secret shared with the SuperNode (HMAC)")
+    cli.add_argument("--poll-interval", type=float, default=0.1,
+                     help="seconds between asks for a task while idle (default 0.1)")
+    cli.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if not 0.01 <= args.poll_interval <= 60:
+        sys.exit(f"warm_executor: --poll-interval must be between 0.01 and 60 s, got {args.poll_interval}")
+    endpoint = RuntimeEndpoint(
+        args.runtime_api_address,
+        args.insecure,
+        validate_and_resolve_root_certificates(args.root_certificates, args.insecure),
+    )
+    if args.parent_pid is not None:
+        _exit_with_parent(args.parent_pid)
+    log(INFO, "Warm ClientApp executor on the Runtime API at %s", args.runtime_api_address)
+    WarmExecutor(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file), args.poll_interval).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""What a deployed site depends on, without a deployment: one normalization for every client,
+the personalized model a site keeps and its predict entry point, and the SuperNode launcher's
+patch of Flower's loop (which must fail loudly if Flower's loop changes)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import flwr.supernode.start_client_internal as supernode_loop
+from client_app import site_model
+from client_app.app import client_tensors
+from common.config import ConfigError, parse_run_config
+from common.data import DATASET_NORMALIZATION, DataError, load_embedded_mnist, normalization, run_normalization
+from common.model import FedPACNet
+from tests.deployment import ROOT
+
+sys.path.insert(0, str(ROOT / "deploy"))
+import fast_supernode  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def test_named_datasets_normalize_with_their_training_sets_statistics():
+    mean, std = normalization(load_embedded_mnist().train_images)
+    assert DATASET_NORMALIZATION["mnist-5k"] == ((pytest.approx(mean[0], abs=1e-15),), (pytest.approx(std[0], abs=1e-15),))
+    assert set(DATASET_NORMALIZATION) == {"mnist-5k", "fashion-mnist", "mnist", "cifar10"}
+
+
+def test_run_config_normalization_wins_and_a_dataset_without_constants_needs_it():
+    cfg = parse_run_config({"dataset": "hf", "data-dir": "/nowhere", "normalize-mean": "0.5",
+                            "normalize-std": "0.25"})
+    mean, std = run_normalization(cfg)
+    assert mean.tolist() == [0.5] and std.tolist() == [0.25]
+    with pytest.raises(DataError, match="normalize-mean and normalize-std"):
+        run_normalization(parse_run_config({"dataset": "hf", "data-dir": "/nowhere"}))
+    with pytest.raises(ConfigError, match="normalize-std"):
+        parse_run_config({"normalize-mean": "0.5"})
+    with pytest.raises(ConfigError, match="normalize-mean"):
+        parse_run_config({"normalize-mean": "0.5,0.5", "normalize-std": "0.2,0.2"})  # 1 channel
+    with pytest.raises(ConfigError, match="normalize-std"):
+        parse_run_config({"normalize-mean": "0.5", "normalize-std": "0"})
+
+
+def test_a_site_with_its_own_data_normalizes_like_everyone_else(tmp_path):
+    """A site whose images are all bright is not rescaled by its own statistics."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("test", 10)):
+        np.savez(tmp_path / f"{split}.npz", x=rng.integers(200, 256, (n, 28, 28), dtype=np.uint8),
+                 y=np.arange(n) % 10)
+    cfg = parse_run_config({})
+    x, _, _, _ = client_tensors(cfg, 0, 1, torch.device("cpu"), str(tmp_path))
+    with np.load(tmp_path / "train.npz") as train:
+        pixels = train["x"].astype(np.float64) / 255.0
+    (mean,), (std,) = DATASET_NORMALIZATION["mnist-5k"]
+    np.testing.assert_allclose(x[:, 0].numpy(), (pixels - mean) / (std + 1e-8), rtol=1e-5)
+    assert x.mean().item() > 2  # far from zero: the site's own mean was not subtracted
+
+
+def test_a_saved_site_model_predicts_like_the_model_it_saved(tmp_path):
+    torch.manual_seed(0)
+    model = FedPACNet(1, 28, 10).eval()
+    (mean,), (std,) = DATASET_NORMALIZATION["mnist-5k"]
+    info = site_model.SiteModel(method="fedpac", run_id=7, round=3, partition_id=2, accuracy=0.5,
+                                num_classes=10, image_size=28, image_channels=1, mean=[mean], std=[std])
+    site_model.save_site_model(tmp_path / "site", model, info)
+    assert sorted(p.name for p in (tmp_path / "site").iterdir()) == ["model.json", "model.pt"]  # no .tmp left
+    loaded, loaded_info = site_model.load_site_model(tmp_path / "site")
+    assert loaded_info == info
+    images = np.random.default_rng(1).integers(0, 256, (6, 28, 28), dtype=np.uint8)
+    labels, probabilities = site_model.predict(loaded, loaded_info, images)
+    x = (torch.from_numpy(images).float()[:, None] / 255 - mean) / (std + 1e-8)
+    with torch.no_grad():
+        expected = torch.softmax(model(x), dim=1).numpy()
+    np.testing.assert_allclose(probabilities, expected, rtol=1e-5, atol=1e-6)
+    assert labels.tolist() == expected.argmax(axis=1).tolist()
+    with pytest.raises(ValueError, match="uint8"):
+        site_model.predict(loaded, loaded_info, images.astype(np.float32))
+
+
+def test_predict_command_reads_a_folder_of_images_and_reports_errors(tmp_path, capsys):
+    from PIL import Image
+
+    model = FedPACNet(1, 28, 10)
+    info = site_model.SiteModel(method="fedper", run_id=1, round=1, partition_id=0, accuracy=0.1,
+                                num_classes=10, image_size=28, image_channels=1, mean=[0.1], std=[0.3])
+    site_model.save_site_model(tmp_path / "site", model, info)
+    (tmp_path / "images").mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((28, 28), 40 * i, dtype=np.uint8)).save(tmp_path / "images" / f"{i}.png")
+    assert site_model.main([str(tmp_path / "site"), str(tmp_path / "images")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "image,class,confidence" and [line.split(",")[0] for line in lines[1:]] == ["0.png", "1.png", "2.png"]
+    assert site_model.main([str(tmp_path / "nothing"), str(tmp_path / "images")]) == 2
+    assert "holds no site model" in capsys.readouterr().err
+    assert json.loads((tmp_path / "site" / "model.json").read_text())["method"] == "fedper"
+
+
+def test_fast_supernode_shortens_exactly_the_waits_flowers_loop_has():
+    source = inspect.getsource(supernode_loop)
+    assert "time.sleep(3)" in source and "time.sleep(0.5)" in source  # else the launcher is stale
+    slept = []
+    sleep = fast_supernode.shortened_sleep(0.5)
+    original = fast_supernode.time.sleep
+    fast_supernode.time.sleep = slept.append
+    try:
+        for seconds in (3, 0.5, 1.25):
+            sleep(seconds)
+    finally:
+        fast_supernode.time.sleep = original
+    assert slept == [0.5, 0.1, 1.25]
+    patched = fast_supernode.patched_time_module(0.5)
+    assert patched.time is fast_supernode.time.time and patched.sleep is not fast_supernode.time.sleep
