@@ -116,8 +116,9 @@ def train_extractor(  # pylint: disable=too-many-arguments
     mask: torch.Tensor | None,
     cfg: FedPACConfig,
     generator: torch.Generator,
+    epochs: int | None = None,
 ) -> tuple[float, float]:
-    """``local-epochs`` epochs of the extractor with the head frozen (eq. 3).
+    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen (eq. 3).
 
     Without ``centroids`` (methods without feature alignment) the loss is plain CE.
     Returns the mean total loss and the mean alignment term over all batches.
@@ -130,7 +131,7 @@ def train_extractor(  # pylint: disable=too-many-arguments
     total_align = torch.zeros((), device=x.device)
     seen = 0
     try:
-        for _ in range(cfg.local_epochs):
+        for _ in range(cfg.local_epochs if epochs is None else epochs):
             for idx in _batches(len(x), cfg.batch_size, generator, x.device):
                 with _autocast(x, cfg):
                     features = model.extractor(x[idx])
@@ -221,10 +222,11 @@ def alternating_update(  # pylint: disable=too-many-arguments
 def representation_update(
     model: FedPACNet, x: torch.Tensor, y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator
 ) -> LocalUpdate:
-    """FedRep's round: ``fedrep-head-epochs`` epochs of the head on frozen features, then E
-    epochs of the body with the head frozen, both at the baselines' step size."""
+    """FedRep's round: ``fedrep-head-epochs`` epochs of the head on frozen features, then
+    ``fedrep-body-epochs`` epochs of the body with the head frozen, both at the baselines' step
+    size."""
     head_loss = train_head(model, x, y, cfg, generator, epochs=cfg.fedrep_head_epochs, lr=cfg.extractor_lr)
-    train_loss, _ = train_extractor(model, x, y, None, None, cfg, generator)
+    train_loss, _ = train_extractor(model, x, y, None, None, cfg, generator, epochs=cfg.fedrep_body_epochs)
     return LocalUpdate(num_examples=len(y), train_loss=train_loss, head_loss=head_loss)
 
 

@@ -50,11 +50,10 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # Baselines. `extractor-lr` is the paper's step size eta of every baseline (Appendix B.3:
     # "the same step size as other baselines"), so joint training, FedRep and fine-tuning use it.
     # FedRep (Collins et al., ICML 2021): many local head epochs per round with the body frozen,
-    # then the body. 10 head epochs as in FedRep's own code (`--local_ep 11 --local_rep_ep 1`:
-    # 10 head epochs, then the representation); the FedPAC authors' published code has no
-    # FedRep, and the paper trains every method for E = 5 epochs, so the body gets E =
-    # `local-epochs` epochs like every other method's extractor.
+    # then the body: FedRep's own code and paper use 10 head epochs and 1 body epoch
+    # (`--local_ep 11 --local_rep_ep 1`). The FedPAC authors' published code has no FedRep.
     fedrep_head_epochs: int = 10
+    fedrep_body_epochs: int = 1
     # FedAvg-FT: the received global model's head is fine-tuned on the local training data before
     # each evaluation. The authors' code (`local_fine_tuning` in methods/fedavg.py) trains only
     # the classifier keys with the baselines' step size; the paper gives no epoch count, so one
@@ -136,6 +135,7 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.max_failed_rounds >= 0, k("max_failed_rounds"), cfg.max_failed_rounds, ">= 0")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
     _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
+    _check(cfg.fedrep_body_epochs >= 1, k("fedrep_body_epochs"), cfg.fedrep_body_epochs, ">= 1")
     for name in ("head_epochs", "fedrep_head_epochs", "finetune_epochs"):
         value = getattr(cfg, name)
         _check(value >= 0, k(name), value, ">= 0")

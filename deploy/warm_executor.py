@@ -32,6 +32,7 @@ can run the app, and the container images carry it as it is.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import sys
@@ -154,8 +155,22 @@ class TaskRunner:
         return sub_status
 
 
-def worker_main(connection: Connection, endpoint: RuntimeEndpoint) -> None:
-    """A worker: receive tokens over the pipe, run each task, answer with its sub-status."""
+def worker_main(connection: Connection, endpoint: RuntimeEndpoint, preload: tuple[str, ...] = (),
+                niceness: int = 0) -> None:
+    """A worker: receive tokens over the pipe, run each task, answer with its sub-status.
+
+    ``preload`` modules are imported before the first task (torch takes seconds: better while
+    the node waits for a run than inside the run's first message); ``niceness`` lowers the
+    worker's CPU priority below the node's, so that on a shared host the SuperNode's and
+    SuperLink's network work is not starved by training.
+    """
+    if niceness:
+        os.nice(niceness)
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            log(WARNING, "Could not preload %s: %s", module, err)
     runner = TaskRunner(endpoint)
     while True:
         try:
@@ -171,12 +186,13 @@ def worker_main(connection: Connection, endpoint: RuntimeEndpoint) -> None:
 class Worker:
     """A worker process for one FAB, and the pipe to it."""
 
-    def __init__(self, fab_hash: str, endpoint: RuntimeEndpoint) -> None:
+    def __init__(self, fab_hash: str, endpoint: RuntimeEndpoint, preload: tuple[str, ...] = (),
+                 niceness: int = 0) -> None:
         context = multiprocessing.get_context("spawn")  # no inherited threads or locks
         self.fab_hash = fab_hash
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, endpoint), daemon=True,
-                                       name=f"clientapp-worker-{fab_hash[:8]}")
+        self.process = context.Process(target=worker_main, args=(child, endpoint, preload, niceness),
+                                       daemon=True, name="clientapp-worker")
         self.process.start()
         child.close()
         self.last_used = time.monotonic()
@@ -204,15 +220,23 @@ class Worker:
 class WarmExecutor:
     """Acquires the SuperNode's ClientApp tasks and runs them in warm workers, one per FAB."""
 
-    def __init__(self, endpoint: RuntimeEndpoint, secret: bytes | None, poll_interval: float) -> None:
+    def __init__(self, endpoint: RuntimeEndpoint, secret: bytes | None, poll_interval: float,
+                 preload: tuple[str, ...] = (), niceness: int = 0) -> None:
         self.endpoint = endpoint
         self.poll_interval = poll_interval
+        self.preload, self.niceness = preload, niceness
         interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
         if secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret,
                                                              protected_methods=_SUPEREXEC_AUTH_METHODS))
         self.client = endpoint.client(*interceptors)
         self.workers: dict[str, Worker] = {}
+        # One worker started ahead, importing the preload modules while the node waits for work;
+        # the first app version to arrive takes it.
+        self.standby: Worker | None = self._start_worker("")
+
+    def _start_worker(self, fab_hash: str) -> Worker:
+        return Worker(fab_hash, self.endpoint, self.preload, self.niceness)
 
     def worker_for(self, fab_hash: str) -> Worker:
         worker = self.workers.get(fab_hash)
@@ -220,8 +244,13 @@ class WarmExecutor:
             if worker is not None:
                 log(WARNING, "ClientApp worker for FAB %s died (exit code %s); starting a new one",
                     fab_hash[:8], worker.process.exitcode)
-            worker = self.workers[fab_hash] = Worker(fab_hash, self.endpoint)
-            log(INFO, "Started a ClientApp worker (pid %d) for FAB %s", worker.process.pid, fab_hash[:8])
+            if self.standby is not None and self.standby.process.is_alive():
+                worker, self.standby = self.standby, None
+                worker.fab_hash = fab_hash
+            else:
+                worker = self._start_worker(fab_hash)
+            self.workers[fab_hash] = worker
+            log(INFO, "ClientApp worker (pid %d) serves FAB %s", worker.process.pid, fab_hash[:8])
         self._retire_old(keep=fab_hash)
         return worker
 
@@ -249,7 +278,7 @@ class WarmExecutor:
                 if not self.step():
                     time.sleep(self.poll_interval)
         finally:
-            for worker in self.workers.values():
+            for worker in [*self.workers.values(), *([self.standby] if self.standby else [])]:
                 worker.stop()
             self.client.close()
 
@@ -277,6 +306,11 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--poll-interval", type=float, default=0.1,
                      help="seconds between asks for a task while idle (default 0.1)")
     cli.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    cli.add_argument("--preload", default=os.environ.get("FEDPAC_WORKER_PRELOAD", "torch"),
+                     help="comma-separated modules a worker imports before its first task (default: torch; "
+                          "env FEDPAC_WORKER_PRELOAD)")
+    cli.add_argument("--worker-nice", type=int, default=int(os.environ.get("FEDPAC_WORKER_NICE", "0")),
+                     help="CPU niceness added to the workers (default 0; env FEDPAC_WORKER_NICE)")
     return cli
 
 
@@ -292,7 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.parent_pid is not None:
         _exit_with_parent(args.parent_pid)
     log(INFO, "Warm ClientApp executor on the Runtime API at %s", args.runtime_api_address)
-    WarmExecutor(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file), args.poll_interval).serve()
+    preload = tuple(name.strip() for name in args.preload.split(",") if name.strip())
+    WarmExecutor(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file), args.poll_interval,
+                 preload, max(0, args.worker_nice)).serve()
 
 
 if __name__ == "__main__":

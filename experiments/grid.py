@@ -30,16 +30,47 @@ import hashlib
 import json
 import tomllib
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, parse_run_config
+from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
 
 # Run-config keys that are the grid's own axes (or the runner's business), not overrides.
 RESERVED_KEYS = ("strategy", "seed", "num-server-rounds", "output-dir", "resume-from")
 # Config fields that differ between runs of one cell without changing what it computes.
-NOT_IDENTITY = ("output_dir", "resume_from")
+NOT_IDENTITY = ("output_dir", "resume_from", "save_model_every")
+# Config fields added after cells were run, whose default does not compute what a run without
+# the field computed: that run's value, from its stored config (FedRep trained its body for
+# `local-epochs` epochs before `fedrep-body-epochs` existed).
+_ADDED_WITH_OTHER_DEFAULT: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "fedrep_body_epochs": lambda c: c.get("local_epochs") if c.get("strategy") == "fedrep" else 1,
+}
+
+
+def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ()) -> bool:
+    """Whether a run whose validated config is ``stored`` computed what ``current`` describes.
+
+    ``stored`` may come from an earlier version with fewer fields: a field added since then
+    counts at the value the old code used (its default, or ``_ADDED_WITH_OTHER_DEFAULT``), so
+    finished cells stay usable when the config grows. ``ignore`` leaves further fields out
+    (``--extend`` compares cells of different lengths).
+    """
+    defaults = asdict(FedPACConfig())
+    skip = {*NOT_IDENTITY, *ignore}
+    for key, value in current.items():
+        if key in skip:
+            continue
+        if key in stored:
+            old = stored[key]
+        elif key in _ADDED_WITH_OTHER_DEFAULT:
+            old = _ADDED_WITH_OTHER_DEFAULT[key](stored)
+        else:
+            old = defaults.get(key)
+        if old != value:
+            return False
+    return all(key in current or key in skip for key in stored)
 
 
 class GridError(ValueError):

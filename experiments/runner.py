@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment
-from experiments.summary import Results, finished_run, resumable_run, write_report
+from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
+from experiments.summary import RunOutputs, Results, finished_run, read_run, resumable_run, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,6 +125,55 @@ def cell_directory(out: Path, cell: Cell) -> Path:
     return out / "cells" / cell.key
 
 
+def _stored_cells(out: Path, cell: Cell) -> list[tuple[Path, dict]]:
+    """Other cell folders of the same method, client count and seed, with their cell.json."""
+    found = []
+    for path in sorted((out / "cells").glob(f"{cell.method}-{cell.clients}c-seed{cell.seed}-*/cell.json")):
+        try:
+            found.append((path.parent, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def adopt_directory(out: Path, cell: Cell, log: Callable[[str], None] = print) -> Path:
+    """The cell's folder. A folder an earlier version wrote for the same computation (its key
+    hashed a config with fewer fields) is renamed to the cell's key, so its runs count."""
+    directory = cell_directory(out, cell)
+    if directory.exists():
+        return directory
+    for folder, stored in _stored_cells(out, cell):
+        identity = stored.get("identity", {})
+        if (folder != directory and identity.get("clients") == cell.clients
+                and same_computation(identity.get("config", {}), cell.identity["config"])):
+            folder.rename(directory)
+            log(f"{folder.name}: renamed to {directory.name} (same computation, written by an earlier version)")
+            return directory
+    return directory
+
+
+def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
+    """``--extend``: the longest finished shorter run of the same configuration, which this
+    cell can continue exactly (a resume repeats every round bit for bit). None when there is
+    none, or when the shorter run's last round differs from the same round of a longer run
+    (sampled rounds with every client in the last round)."""
+    config = cell.identity["config"]
+    if config["fraction_train"] < 1.0 and config["full_last_round"]:
+        return None
+    best = None
+    for folder, stored in _stored_cells(out, cell):
+        if stored.get("identity", {}).get("clients") != cell.clients or folder == cell_directory(out, cell):
+            continue
+        runs = (read_run(d) for d in folder.iterdir() if d.is_dir())
+        for run in runs:
+            if (run is not None and run.finished and run.completed_rounds < cell.rounds
+                    and run.completed_rounds == run.config.get("num_server_rounds")
+                    and same_computation(run.config, config, ignore=("num_server_rounds",))
+                    and (best is None or run.completed_rounds > best.completed_rounds)):
+                best = run
+    return best
+
+
 def results_of(experiment: Experiment, out: Path) -> Results:
     """The experiment's finished cells, by (setting, method, seed)."""
     results: Results = {}
@@ -164,43 +213,55 @@ def _write_cell_file(directory: Path, cell: Cell) -> None:
     (directory / "cell.json").write_text(json.dumps(document, indent=2))
 
 
-def run_grid(  # pylint: disable=too-many-locals
+def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     experiments: list[Experiment],
     out: Path,
     execute: Executor,
     log: Callable[[str], None] = print,
+    extend: bool = False,
 ) -> list[PlannedCell]:
-    """Run every unfinished cell, reporting after each; returns the cells that failed."""
+    """Run every unfinished cell, reporting after each; returns the cells that failed.
+
+    With ``extend``, a cell without a run of its own continues the longest finished shorter
+    run of the same configuration instead of starting from round 1.
+    """
     cells = plan(experiments)
-    total, started, executed_seconds, executed = len(cells), time.time(), 0.0, 0
+    total, started, executed_rounds, executed_seconds = len(cells), time.time(), 0, 0.0
     log(f"{total} cells in {len(experiments)} experiment(s); outputs in {out}")
     failed = []
     for index, planned in enumerate(cells, start=1):
         cell = planned.cell
-        directory = cell_directory(out, cell)
+        directory = adopt_directory(out, cell, log)
         prefix = f"[{index}/{total}] {planned.label}"
         done = finished_run(directory, cell)
         if done is not None:
             log(f"{prefix}: finished before, skipped (final accuracy {done.final_accuracy:.2f}%)")
             continue
         _write_cell_file(directory, cell)
-        partial = resumable_run(directory, cell)
-        if partial is not None:
-            log(f"{prefix}: resuming after round {partial.completed_rounds}/{cell.rounds} from {partial.directory.name}")
+        start = resumable_run(directory, cell)
+        if start is not None:
+            log(f"{prefix}: resuming after round {start.completed_rounds}/{cell.rounds} from {start.directory.name}")
+        elif extend and (start := extension_source(out, cell)) is not None:
+            log(f"{prefix}: extending the finished {start.completed_rounds}-round run "
+                f"{start.directory.parent.name}/{start.directory.name} to {cell.rounds} rounds")
+        first_round = start.completed_rounds if start is not None else 0
         cell_started = time.time()
-        status = execute(cell, directory, None if partial is None else partial.directory, directory / "cell.log")
+        status = execute(cell, directory, None if start is None else start.directory, directory / "cell.log")
         seconds = time.time() - cell_started
-        executed_seconds, executed = executed_seconds + seconds, executed + 1
         done = finished_run(directory, cell)
+        executed_rounds += (done.completed_rounds if done else cell.rounds) - first_round
+        executed_seconds += seconds
         elapsed = _duration(time.time() - started)
-        remaining = executed_seconds / executed * (total - index)
+        # What is left, at the rounds-per-second of this grid so far (start-up included).
+        left_rounds = sum(c.cell.rounds for c in cells[index:] if finished_run(cell_directory(out, c.cell), c.cell) is None)
+        remaining = executed_seconds / max(executed_rounds, 1) * left_rounds
         if done is None:
             failed.append(planned)
             log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "
                 f"log: {directory / 'cell.log'}\n{_log_tail(directory / 'cell.log')}")
             continue
         log(f"{prefix}: done in {_duration(seconds)}, final accuracy {done.final_accuracy:.2f}% | "
-            f"elapsed {elapsed}, at most ~{_duration(remaining)} left")
+            f"elapsed {elapsed}, about {_duration(remaining)} left")
         for experiment in {id(e): e for e, _ in planned.uses}.values():
             report(experiment, out)
     for experiment in experiments:
@@ -257,6 +318,9 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--timeout", type=float, help="wall-clock limit per cell, in seconds")
     cli.add_argument("--dry-run", action="store_true", help="list the cells and their state, run nothing")
     cli.add_argument("--report-only", action="store_true", help="rewrite the reports from finished cells")
+    cli.add_argument("--extend", action="store_true",
+                     help="a cell without a run of its own continues the longest finished shorter run of the "
+                          "same configuration (e.g. --rounds 200 after --rounds 20), exactly")
     return cli
 
 
@@ -292,7 +356,8 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
         return simulate(cell, directory, resume_from, log_path, options)
 
     try:
-        failed = run_grid(experiments, out, execute or default_execute, log=lambda line: print(line, flush=True))
+        failed = run_grid(experiments, out, execute or default_execute, log=lambda line: print(line, flush=True),
+                          extend=args.extend)
     except KeyboardInterrupt:
         print("fedpac-experiments: interrupted; run the same command again to resume the grid", file=sys.stderr)
         return 130

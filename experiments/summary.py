@@ -28,7 +28,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402  pylint: disable=wrong-i
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
-from experiments.grid import NOT_IDENTITY, Cell, Experiment, Setting  # noqa: E402  pylint: disable=wrong-import-position
+from experiments.grid import Cell, Experiment, Setting, same_computation  # noqa: E402  pylint: disable=wrong-import-position
 from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
 from server_app.report import plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -82,8 +82,7 @@ def read_run(directory: Path) -> RunOutputs | None:
 
 
 def _same_cell(config: dict[str, Any], cell: Cell) -> bool:
-    stored = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
-    return stored == cell.identity["config"]
+    return same_computation(config, cell.identity["config"])
 
 
 def cell_runs(directory: Path, cell: Cell) -> list[RunOutputs]:

@@ -39,6 +39,11 @@ from server_app.checkpoint import Checkpoint
 from server_app.report import RoundRecord
 
 
+# Seconds before the pre-flight asks a silent node again (a first message may import torch and
+# load a dataset: minutes on a crowded host, but not ten).
+DISCOVERY_ATTEMPT = 120.0
+
+
 class FederationStalled(RuntimeError):
     """Too many rounds in a row without enough valid replies: the run stops."""
 
@@ -192,12 +197,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
         if not nodes:
             return dict(self.node_partition)
-        messages = [
-            Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
-                    message_type=MessageType.QUERY, dst_node_id=node)
-            for node in nodes
-        ]
-        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        replies = self._query(grid, nodes, timeout)
         problems = []
         for reply in replies:
             node = reply.metadata.src_node_id
@@ -226,6 +226,30 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         for problem in problems:
             log(WARNING, "discovery: %s", problem)
         return dict(self.node_partition)
+
+    @staticmethod
+    def _query(grid: Grid, nodes: list[int], timeout: float) -> list[Message]:
+        """Query replies of ``nodes`` within ``timeout`` seconds, asking again every
+        DISCOVERY_ATTEMPT seconds those that have not answered: a SuperNode whose pull of the
+        message failed (an overloaded SuperLink) drops it, and would otherwise be waited for
+        until the timeout."""
+        deadline = time.monotonic() + timeout
+        replies: list[Message] = []
+        pending = list(nodes)
+        while pending:
+            messages = [Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
+                                message_type=MessageType.QUERY, dst_node_id=node) for node in pending]
+            wait = min(DISCOVERY_ATTEMPT, deadline - time.monotonic())
+            arrived = list(grid.send_and_receive(messages, timeout=wait))
+            replies.extend(arrived)
+            answered = {reply.metadata.src_node_id for reply in arrived}
+            pending = [node for node in pending if node not in answered]
+            if pending and time.monotonic() < deadline:
+                log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
+                    len(pending), wait)
+            else:
+                break
+        return replies
 
     def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
         nodes = self._wait_for_nodes(grid)

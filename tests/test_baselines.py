@@ -282,6 +282,26 @@ def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
         assert (update.head_loss > 0) == (head_epochs > 0)
 
 
+def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monkeypatch):
+    import client_app.train as train
+
+    seen = []
+    original = train.train_extractor
+
+    def spy(*args, epochs=None, **kwargs):
+        seen.append(epochs)
+        return original(*args, epochs=epochs, **kwargs)
+
+    monkeypatch.setattr(train, "train_extractor", spy)
+    model, x, y = _data()
+    cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_body_epochs=2, local_epochs=5, batch_size=8)
+    local_update(model, x, y, None, None, cfg, torch.Generator().manual_seed(0))
+    assert seen == [2]
+    assert FedPACConfig().fedrep_body_epochs == 1  # FedRep's own value
+    with pytest.raises(ConfigError, match="'fedrep-body-epochs'.*>= 1"):
+        parse_run_config({"fedrep-body-epochs": 0})
+
+
 def _evaluate(strategy, state):
     """The real ClientApp's evaluation of ``state`` on partition 0 under ``strategy``."""
     grid = InProcessGrid(_config(strategy), 2)

@@ -187,6 +187,62 @@ def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_ch
     assert [c[:2] for c in longer.calls] == [("fedavg", 0), ("fedavg", 1)]
 
 
+def test_extend_continues_the_longest_finished_shorter_run_of_the_same_configuration(tmp_path, capsys):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    for rounds in ("2", "3"):
+        assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", rounds],
+                    execute=FakeSimulation()) == 0
+    extending = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg,fedpac", "--rounds", "6", "--extend"],
+                execute=extending) == 0
+    (fedavg, fedpac) = extending.calls
+    assert fedavg[2] is not None and json.loads((fedavg[2] / "metrics.json").read_text())["config"]["num_server_rounds"] == 3
+    assert fedpac[2] is None  # nothing shorter to continue: from round 1
+    log = capsys.readouterr().out
+    assert "extending the finished 3-round run" in log and "left" in log
+    # another configuration is never continued, nor is a sampled run with a full last round
+    other = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "7", "--extend",
+                 "--set", "local-epochs=2"], execute=other) == 0
+    assert other.calls[0][2] is None
+    sampled = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "8", "--extend",
+                 "--set", "fraction-train=0.5"], execute=sampled) == 0
+    assert sampled.calls[0][2] is None
+
+
+def test_cells_written_before_the_config_grew_are_still_found(tmp_path):
+    """A run config stored without fields added since (at their defaults) is the same cell."""
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    (experiment,) = load_grid(grid, Overrides())
+    cell = next(c for _, c in experiment.cells() if c.method == "fedpac")
+    legacy = out / "cells" / f"{cell.method}-{cell.clients}c-seed{cell.seed}-0123456789"
+    run = _fake_run(cell, legacy, [0.9, 0.9])
+    document = json.loads((run / "metrics.json").read_text())
+    for added in ("normalize_mean", "normalize_std", "save_model_every", "fedrep_body_epochs"):
+        document["config"].pop(added, None)
+    (run / "metrics.json").write_text(json.dumps(document))
+    old_identity = {**cell.identity, "config": dict(document["config"])}
+    (legacy / "cell.json").write_text(json.dumps({"method": cell.method, "clients": cell.clients,
+                                                  "identity": old_identity}))
+    nothing = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedpac"], execute=nothing) == 0
+    assert nothing.calls == [] and not legacy.exists() and cell_directory(out, cell).is_dir()
+
+
+def test_fedrep_runs_from_before_fedrep_body_epochs_are_not_fedreps_new_default():
+    from experiments.grid import same_computation
+    from dataclasses import asdict
+    from common.config import FedPACConfig
+
+    current = {k: v for k, v in asdict(FedPACConfig(strategy="fedrep")).items()}
+    old = {k: v for k, v in current.items() if k != "fedrep_body_epochs"}  # trained the body E = 5 epochs
+    assert not same_computation(old, current)
+    assert same_computation(old, {**current, "fedrep_body_epochs": 5})
+    fedpac = {k: v for k, v in asdict(FedPACConfig()).items()}
+    assert same_computation({k: v for k, v in fedpac.items() if k != "fedrep_body_epochs"}, fedpac)
+
+
 def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     grid, out = _grid(tmp_path), tmp_path / "out"
     assert main([str(grid), "--out", str(out), "--seeds", "0,1"], execute=FakeSimulation()) == 0

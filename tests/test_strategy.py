@@ -182,3 +182,28 @@ def test_a_restarted_supernode_gets_its_own_head_back():
     sent = next(p.from_record(m.content[p.ARRAYS]) for m in messages if m.metadata.dst_node_id == 12345)
     np.testing.assert_array_equal(sent["head.weight"], strategy.heads[2]["head.weight"])
     assert strategy.node_partition.get(12345) == 2 and old not in strategy.node_partition
+
+
+def test_discovery_asks_again_a_node_whose_query_was_lost(monkeypatch, caplog):
+    """An overloaded SuperLink can make a SuperNode drop a message it failed to pull; the
+    pre-flight then asks that node again instead of waiting for the whole timeout."""
+    import server_app.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 0.01)
+    lost = []
+
+    def lose_partition_1_once(reply, pid):
+        if pid == 1 and not lost:
+            lost.append(reply)
+            return None
+        return reply
+
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, _ = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=lose_partition_1_once)
+    with caplog.at_level(logging.WARNING):
+        assert sorted(strategy.discover(grid, timeout=60).values()) == [0, 1, 2]
+    assert lost and "asking them again" in caplog.text
+    queried = [m.metadata.dst_node_id for m in grid.sent]
+    silent = next(node for node, pid in grid.partition_of_node.items() if pid == 1)
+    assert len(queried) == 4 and queried[3] == silent  # only the silent node, once more
