@@ -5,8 +5,10 @@ participation) runs three times on this machine, one after the other:
 
 1. as Flower's Ray simulation (``experiments.simulation``, one CPU per client);
 2. as a localhost deployment: a SuperLink and N SuperNodes started with ``deploy/superlink.sh``
-   and ``deploy/supernode.sh`` (TLS, SuperNode authentication), each ClientApp in a warm worker
-   (``deploy/warm_executor.py``), driven by ``flwr run`` like a user's workstation;
+   and ``deploy/supernode.sh`` (TLS, SuperNode authentication), each on its own data folder
+   (the simulation's partitions, exported by ``deploy/export_partitions.py``, as a real site
+   holds its data), each ClientApp in a warm worker (``deploy/warm_executor.py``), driven by
+   ``flwr run`` like a user's workstation;
 3. (``--cold-rounds`` > 0) the same deployment with Flower's own executor, a fresh ClientApp
    process per message (``supernode.sh --executor cold``): the "before".
 
@@ -56,19 +58,36 @@ def simulate(args: argparse.Namespace, out: Path) -> list[dict]:
     return rounds_of(out)
 
 
-def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int) -> list[dict]:
+def export_partitions(args: argparse.Namespace, out: Path) -> Path:
+    """The simulation's partitions as one data folder per site (what a real site holds)."""
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", str(args.clients),
+                    "--out", str(out), "--run-config", f"dataset='{args.dataset}' seed={args.seed}"],
+                   check=True, capture_output=True)
+    return out
+
+
+def wait_for_rounds(out: Path, rounds: int, timeout: float) -> None:
+    """Until the run folder has ``rounds`` rounds: read from the disk, not by `flwr ls`, whose
+    process start every few seconds would cost CPU the measured rounds need."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(rounds_of(out)) < rounds:
+        time.sleep(1.0)
+
+
+def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, data: Path) -> list[dict]:
     work.mkdir(parents=True)
     certs = create_certificates(work / "certs", args.clients)
     federation = Federation(work, certs, args.clients)
     try:
         federation.register(*range(args.clients))
         for pid in range(args.clients):
-            federation.start_node(pid, executor=executor)
+            federation.start_node(pid, executor=executor, data_path=data / f"client-{pid}")
         time.sleep(args.settle)  # let the nodes connect and the warm workers import torch first
         out = work / "out"
         config = {**paper_config(args), "num-server-rounds": rounds, "output-dir": str(out)}
         run_id = federation.submit(" ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
-        status = federation.wait(run_id, timeout=args.timeout)
+        wait_for_rounds(out, rounds, args.timeout)
+        status = federation.wait(run_id, timeout=120)
         if status != "finished:completed":
             raise RuntimeError(f"{executor} deployment run {status}:\n{federation.log(run_id)[-3000:]}")
         return rounds_of(out)
@@ -148,10 +167,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
 
     results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset}
+    data = export_partitions(args, work / "data")
     timed = {"simulation": simulate(args, work / "simulation"),
-             "deployment": deploy(args, work / "warm", "warm", args.rounds)}
+             "deployment": deploy(args, work / "warm", "warm", args.rounds, data)}
     if args.cold_rounds:
-        timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds)
+        timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds, data)
     for name, rounds in timed.items():
         results[name] = {"round_seconds": [float(r["seconds"]) for r in rounds],
                          "accuracy": [float(r["mean_accuracy"]) for r in rounds],

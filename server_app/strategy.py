@@ -239,16 +239,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         while pending:
             messages = [Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
                                 message_type=MessageType.QUERY, dst_node_id=node) for node in pending]
-            wait = min(DISCOVERY_ATTEMPT, deadline - time.monotonic())
+            attempt_started = time.monotonic()
+            wait = min(DISCOVERY_ATTEMPT, deadline - attempt_started)
             arrived = list(grid.send_and_receive(messages, timeout=wait))
             replies.extend(arrived)
             answered = {reply.metadata.src_node_id for reply in arrived}
             pending = [node for node in pending if node not in answered]
-            if pending and time.monotonic() < deadline:
-                log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
-                    len(pending), wait)
-            else:
+            if not pending or time.monotonic() >= deadline:
                 break
+            # A push the SuperLink refuses returns at once: never ask faster than once an attempt.
+            time.sleep(max(0.0, wait - (time.monotonic() - attempt_started)))
+            log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
+                len(pending), wait)
         return replies
 
     def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
