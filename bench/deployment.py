@@ -14,7 +14,7 @@ participation) runs three times on this machine, one after the other:
 
 Every process gets one torch thread (``OMP_NUM_THREADS=1``), as Ray gives each simulated
 client one CPU, so the runs compute the same thing and must report the same accuracies; the
-warm workers run at niceness 5 (``FEDPAC_WORKER_NICE``) so that N nodes' training on one host
+warm workers run at niceness 10 (``FEDPAC_WORKER_NICE``) so that N nodes' training on one host
 does not starve the SuperNodes and the SuperLink.
 Reported: median round wall time over rounds 2..R of each, the ratio deployment / simulation,
 and the largest per-round accuracy difference. Then a per-message breakdown, measured in a
@@ -162,7 +162,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per client, as in the simulation
     # N SuperNodes share this host's cores: training yields to the nodes' and the SuperLink's
     # network work (a host per site would not need this).
-    os.environ.setdefault("FEDPAC_WORKER_NICE", "5")
+    os.environ.setdefault("FEDPAC_WORKER_NICE", "10")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
 
@@ -171,7 +171,10 @@ def main() -> None:
     timed = {"simulation": simulate(args, work / "simulation"),
              "deployment": deploy(args, work / "warm", "warm", args.rounds, data)}
     if args.cold_rounds:
-        timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds, data)
+        try:
+            timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds, data)
+        except RuntimeError as err:  # the "before" is a reference: its failure is reported, not fatal
+            print(f"cold-executor deployment failed: {str(err)[:500]}")
     for name, rounds in timed.items():
         results[name] = {"round_seconds": [float(r["seconds"]) for r in rounds],
                          "accuracy": [float(r["mean_accuracy"]) for r in rounds],

@@ -24,10 +24,13 @@ for file in ca.crt superlink.crt superlink.key; do
   [ -f "$certs/$file" ] || { echo "superlink.sh: $certs/$file missing (deploy/certs.sh create)" >&2; exit 2; }
 done
 certs="$(cd "$certs" && pwd)"
+here="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$state"
 cd "$state"
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0
-exec flower-superlink \
+# flower-superlink, its state database waiting up to a minute for a lock (deploy/patient_superlink.py)
+bin="$(dirname "$(command -v flower-superlink)")"
+exec "$bin/python" "$here/patient_superlink.py" \
   --ssl-ca-certfile "$certs/ca.crt" --ssl-certfile "$certs/superlink.crt" --ssl-keyfile "$certs/superlink.key" \
   --enable-supernode-auth \
   --database state.db \

@@ -22,6 +22,7 @@ from tests.deployment import ROOT
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import fast_supernode  # noqa: E402  pylint: disable=wrong-import-position
+import patient_superlink  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_named_datasets_normalize_with_their_training_sets_statistics():
@@ -114,3 +115,13 @@ def test_fast_supernode_shortens_exactly_the_waits_flowers_loop_has():
     assert slept == [0.5, 0.1, 1.25]
     patched = fast_supernode.patched_time_module(0.5)
     assert patched.time is fast_supernode.time.time and patched.sleep is not fast_supernode.time.sleep
+
+
+def test_patient_superlink_raises_exactly_flowers_sqlite_busy_timeout():
+    import flwr.supercore.sql_mixin as sql_mixin
+
+    assert ("busy_timeout", "5000") in sql_mixin.SQLITE_PRAGMAS  # else the launcher is stale
+    patched = dict(patient_superlink.with_busy_timeout(sql_mixin.SQLITE_PRAGMAS, 60000))
+    assert patched == {**dict(sql_mixin.SQLITE_PRAGMAS), "busy_timeout": "60000"}
+    with pytest.raises(RuntimeError, match="busy_timeout"):
+        patient_superlink.with_busy_timeout((("journal_mode", "WAL"),), 60000)
