@@ -77,7 +77,7 @@ def wait_for_rounds(out: Path, rounds: int, timeout: float) -> None:
 def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, data: Path) -> list[dict]:
     work.mkdir(parents=True)
     certs = create_certificates(work / "certs", args.clients)
-    federation = Federation(work, certs, args.clients)
+    federation = Federation(work, certs, args.clients, database=args.superlink_database)
     try:
         federation.register(*range(args.clients))
         for pid in range(args.clients):
@@ -155,6 +155,8 @@ def main() -> None:
     cli.add_argument("--seed", type=int, default=0)
     cli.add_argument("--timeout", type=float, default=3600, help="seconds per deployment run")
     cli.add_argument("--round-timeout", type=float, default=600, help="the runs' round-timeout")
+    cli.add_argument("--superlink-database", choices=("file", "memory"), default="file",
+                     help="the SuperLink's state: an SQLite file (default) or in memory")
     cli.add_argument("--settle", type=float, default=60,
                      help="seconds between starting the SuperNodes and submitting the run")
     cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -166,7 +168,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
 
-    results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset}
+    results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset,
+                     "superlink_database": args.superlink_database}
     data = export_partitions(args, work / "data")
     timed = {"simulation": simulate(args, work / "simulation"),
              "deployment": deploy(args, work / "warm", "warm", args.rounds, data)}

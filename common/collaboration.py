@@ -20,6 +20,7 @@ import cvxpy as cp
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from common.cpu import others_running
 from common.simplex_qp import solve_simplex_qps
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,20 @@ QP_SOLVER = "CLARABEL"
 # Relative ridge added to P: P is PSD in exact arithmetic, but float noise can make it
 # slightly indefinite, which convex solvers reject.
 RIDGE = 1e-10
-# BLAS threads of the collaboration step (see collaboration_weights).
-SOLVER_BLAS_THREADS = 1
+# BLAS threads of the collaboration step (see collaboration_weights): None picks them per call.
+SOLVER_BLAS_THREADS: int | None = None
+# Below this many clients one thread is as fast as several even on an idle machine.
+_THREADED_FROM_CLIENTS = 300
+
+
+def solver_blas_threads(num_clients: int) -> int | None:
+    """BLAS threads for ``num_clients`` clients' QPs: one, unless the problem is large and no
+    other process wants a core right now (then None: the library's default, all cores)."""
+    if SOLVER_BLAS_THREADS is not None:
+        return SOLVER_BLAS_THREADS
+    if num_clients < _THREADED_FROM_CLIENTS or others_running():
+        return 1
+    return None
 
 
 @dataclass(frozen=True)
@@ -128,9 +141,10 @@ def collaboration_weights(
     """
     # The solver is many medium-sized matrix products. On a machine where another process holds
     # a core, OpenBLAS's threads wait on each other at every product (31x slower at m = 1000 with
-    # one of two cores taken); on one thread the loaded time stays near the idle one
-    # (docs/PERFORMANCE.md, bench/server_aggregation.py --busy).
-    with threadpool_limits(limits=SOLVER_BLAS_THREADS, user_api="blas"):
+    # one of two cores taken); on one thread the loaded time stays near the idle one, and only
+    # large problems on an idle machine gain from more (docs/PERFORMANCE.md,
+    # bench/server_aggregation.py --busy).
+    with threadpool_limits(limits=solver_blas_threads(len(h)), user_api="blas"):
         return _collaboration_weights(h, v, n, threshold, solver)
 
 

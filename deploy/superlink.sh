@@ -8,21 +8,29 @@
 #                        (default: ./superlink-state)
 #     --fleet-address    where SuperNodes connect, gRPC (default: 0.0.0.0:9092)
 #     --control-address  where `flwr run`/`flwr ls` connect (default: 0.0.0.0:9093)
+#     --database KIND    file (default: DIR/state.db, survives a restart) or memory (faster on
+#                        a crowded host; runs, node registrations and messages end with the process)
 # Open both ports in the firewall to the SuperNodes and the workstation respectively.
 set -euo pipefail
-certs="" state="superlink-state" fleet="0.0.0.0:9092" control="0.0.0.0:9093"
+certs="" state="superlink-state" fleet="0.0.0.0:9092" control="0.0.0.0:9093" database="file"
 while [ $# -gt 0 ]; do
   case "$1" in
     --certs) certs="$2"; shift 2 ;;
     --state) state="$2"; shift 2 ;;
     --fleet-address) fleet="$2"; shift 2 ;;
     --control-address) control="$2"; shift 2 ;;
+    --database) database="$2"; shift 2 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
 for file in ca.crt superlink.crt superlink.key; do
   [ -f "$certs/$file" ] || { echo "superlink.sh: $certs/$file missing (deploy/certs.sh create)" >&2; exit 2; }
 done
+case "$database" in
+  file) database="state.db" ;;
+  memory) database=":flwr-in-memory:" ;;
+  *) echo "superlink.sh: --database is file or memory, got '$database'" >&2; exit 2 ;;
+esac
 certs="$(cd "$certs" && pwd)"
 here="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$state"
@@ -33,6 +41,6 @@ bin="$(dirname "$(command -v flower-superlink)")"
 exec "$bin/python" "$here/patient_superlink.py" \
   --ssl-ca-certfile "$certs/ca.crt" --ssl-certfile "$certs/superlink.crt" --ssl-keyfile "$certs/superlink.key" \
   --enable-supernode-auth \
-  --database state.db \
+  --database "$database" \
   --fleet-api-address "$fleet" \
   --host "${control%:*}" --port "${control##*:}"

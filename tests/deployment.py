@@ -117,6 +117,7 @@ class Federation(Workstation):
         superlink_name: str = "127.0.0.1",
         bind: str = "127.0.0.1",
         ports: tuple[int, int] | None = None,
+        database: str = "file",
     ) -> None:
         self.workdir, self.certs, self.num_nodes = workdir, certs, num_nodes
         self.fleet_port, self.control_port = ports or (free_port(), free_port())
@@ -125,6 +126,7 @@ class Federation(Workstation):
         self.superlink = self._spawn("superlink", "superlink", [
             str(ROOT / "deploy" / "superlink.sh"), "--certs", str(certs), "--state", str(workdir / "state"),
             "--fleet-address", f"{bind}:{self.fleet_port}", "--control-address", f"{bind}:{self.control_port}",
+            "--database", database,
         ])
         self.supernodes: dict[int, subprocess.Popen] = {}
         try:
