@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client_app.train import local_update  # noqa: E402
 from common.config import parse_run_config  # noqa: E402
 from common.data import load_dataset, run_normalization, to_tensors  # noqa: E402
-from common.cpu import threads_for_now  # noqa: E402
 from load import one_core_taken  # noqa: E402
 from common.model import FedPACNet  # noqa: E402
 from common.partition import client_split  # noqa: E402
@@ -115,8 +114,7 @@ def busy(args, cfg, x, y, centroids, mask, samples, device) -> None:  # noqa: AN
     core taken by another process, alternating: samples/s (median) of each."""
     default_threads = torch.get_num_threads()
     rows = []
-    # 0: the ClientApp's choice per update (common.cpu.threads_for_now), then fixed counts
-    for threads in [0, *sorted({default_threads, 1}, reverse=True)]:
+    for threads in sorted({default_threads, 1}, reverse=True):
         for condition in ("idle", "one core taken"):
             times = []
             with one_core_taken() if condition != "idle" else contextlib.nullcontext():
@@ -124,14 +122,14 @@ def busy(args, cfg, x, y, centroids, mask, samples, device) -> None:  # noqa: AN
                     torch.manual_seed(repeat)
                     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
                     started = time.perf_counter()
-                    torch.set_num_threads(threads or threads_for_now(default_threads))
+                    torch.set_num_threads(threads)
                     local_update(model, x, y, centroids, mask, cfg, torch.Generator().manual_seed(repeat))
                     _sync(device)
                     if repeat:
                         times.append(time.perf_counter() - started)
-            rows.append({"torch_threads": threads or "chosen per update (product)", "condition": condition,
+            rows.append({"torch_threads": threads, "condition": condition,
                          "samples_per_s": samples / statistics.median(times)})
-            print(f"{threads or 'chosen'} torch thread(s), {condition}: {rows[-1]['samples_per_s']:,.0f} samples/s", flush=True)
+            print(f"{threads} torch thread(s), {condition}: {rows[-1]['samples_per_s']:,.0f} samples/s", flush=True)
     torch.set_num_threads(default_threads)
     out = Path(args.out or "bench/results/client_update_busy.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ from client_app.train import LocalUpdate, finetune_head, local_update
 from client_app.train import evaluate as evaluate_model
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
-from common.cpu import threads_for_now
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.methods import METHODS
 from common.model import FedPACNet
@@ -104,22 +103,6 @@ def _global_centroids(msg: Message, device: torch.device) -> tuple[torch.Tensor 
     return centroids, mask
 
 
-_DEFAULT_TORCH_THREADS = torch.get_num_threads()
-
-
-def _on_free_cores(work, device: torch.device):  # noqa: ANN001, ANN202
-    """Run ``work`` with torch's CPU threads set for the machine as it is now: its default on an
-    idle machine, one while another process runs (torch's threads would wait on each other: 7x
-    slower with one of two cores taken, bench/client_update.py --busy)."""
-    if device.type != "cpu" or _DEFAULT_TORCH_THREADS == 1:
-        return work()
-    torch.set_num_threads(threads_for_now(_DEFAULT_TORCH_THREADS))
-    try:
-        return work()
-    finally:
-        torch.set_num_threads(_DEFAULT_TORCH_THREADS)
-
-
 def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
     """Centroids, class counts and h: only those the method computed (none for FedAvg & co.)."""
     arrays = {}
@@ -141,8 +124,7 @@ def train(msg: Message, context: Context) -> Message:
     server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
     centroids, mask = _global_centroids(msg, device)
 
-    update = _on_free_cores(lambda: local_update(model, x, y, centroids, mask, cfg,
-                                                 _generator(cfg, server_round, partition_id)), device)
+    update = local_update(model, x, y, centroids, mask, cfg, _generator(cfg, server_round, partition_id))
 
     metrics = MetricRecord(
         {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, "train-loss": update.train_loss}

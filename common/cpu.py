@@ -3,8 +3,9 @@
 Thread pools (OpenBLAS's, torch's OpenMP pool) synchronise at every operation: when another
 process holds one of the cores, every operation waits for the thread that shares that core,
 and throughput collapses (measured on 2 cores: the collaboration QPs 31x slower, FedPAC's local
-update 7x). One thread does not wait for anybody, so numerics run on one thread whenever
-another process is running, and on the library's default only on an idle machine.
+update 7x). One thread does not wait for anybody, so the server's collaboration QPs run on one
+thread whenever another process is running, and on the library's default only on an idle
+machine (OpenBLAS's products give the same bits on any thread count, so this keeps runs exact).
 """
 
 from __future__ import annotations
@@ -36,7 +37,3 @@ def others_running(samples: int = 3) -> bool:
         return True
     return not os.path.isdir("/proc/self/task")
 
-
-def threads_for_now(default: int) -> int:
-    """``default`` threads on an idle machine, one while another process is running."""
-    return 1 if default > 1 and others_running() else default

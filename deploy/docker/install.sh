@@ -8,4 +8,4 @@ if [ -n "${WHEELHOUSE_URL:-}" ]; then
 else
   set -- -r "$1"
 fi
-/opt/venv/bin/pip install --quiet "$@"
+/opt/venv/bin/pip install --quiet --timeout 120 --retries 5 "$@"
