@@ -68,7 +68,6 @@ from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, 
 _SUPEREXEC_AUTH_METHODS = frozenset(
     {"/flwr.proto.Runtime/AcquireTask", "/flwr.proto.Runtime/PullPendingTasks", "/flwr.proto.Runtime/ClaimTask"}
 )
-_IDLE_WORKERS_KEPT = 1  # workers of FABs other than the latest one are stopped when idle
 
 
 @dataclass(frozen=True)
@@ -195,11 +194,9 @@ class Worker:
                                        daemon=True, name="clientapp-worker")
         self.process.start()
         child.close()
-        self.last_used = time.monotonic()
 
     def run(self, token: str) -> str | None:
         """Hand a task over and wait for it; None when the worker died on it."""
-        self.last_used = time.monotonic()
         try:
             self.connection.send(token)
             while not self.connection.poll(1.0):
@@ -255,11 +252,10 @@ class WarmExecutor:
         return worker
 
     def _retire_old(self, keep: str) -> None:
-        """Stop workers of other FABs beyond the newest few: an old run's app leaves memory."""
-        others = sorted((w for h, w in self.workers.items() if h != keep), key=lambda w: w.last_used)
-        for worker in others[: max(0, len(others) - (_IDLE_WORKERS_KEPT - 1))]:
-            worker.stop()
-            del self.workers[worker.fab_hash]
+        """Stop the workers of other FABs (idle: tasks run one at a time), so that an old run's
+        app leaves memory."""
+        for fab_hash in [h for h in self.workers if h != keep]:
+            self.workers.pop(fab_hash).stop()
 
     def step(self) -> bool:
         """Acquire and run at most one task; True when one ran."""

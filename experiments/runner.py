@@ -228,10 +228,12 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     cells = plan(experiments)
     total, started, executed_rounds, executed_seconds = len(cells), time.time(), 0, 0.0
     log(f"{total} cells in {len(experiments)} experiment(s); outputs in {out}")
+    # Rounds still to compute per cell, read once: the estimate of what is left counts them down.
+    left_rounds = [0 if finished_run(adopt_directory(out, c.cell, log), c.cell) else c.cell.rounds for c in cells]
     failed = []
     for index, planned in enumerate(cells, start=1):
         cell = planned.cell
-        directory = adopt_directory(out, cell, log)
+        directory = cell_directory(out, cell)
         prefix = f"[{index}/{total}] {planned.label}"
         done = finished_run(directory, cell)
         if done is not None:
@@ -253,8 +255,7 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         executed_seconds += seconds
         elapsed = _duration(time.time() - started)
         # What is left, at the rounds-per-second of this grid so far (start-up included).
-        left_rounds = sum(c.cell.rounds for c in cells[index:] if finished_run(cell_directory(out, c.cell), c.cell) is None)
-        remaining = executed_seconds / max(executed_rounds, 1) * left_rounds
+        remaining = executed_seconds / max(executed_rounds, 1) * sum(left_rounds[index:])
         if done is None:
             failed.append(planned)
             log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "

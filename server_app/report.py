@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
