@@ -15,7 +15,9 @@ participation) runs three times on this machine, one after the other:
 Every process gets one torch thread (``OMP_NUM_THREADS=1``), as Ray gives each simulated
 client one CPU, so the runs compute the same thing and must report the same accuracies; the
 warm workers run at niceness 10 (``FEDPAC_WORKER_NICE``) so that N nodes' training on one host
-does not starve the SuperNodes and the SuperLink.
+does not starve the SuperNodes and the SuperLink; and the nodes' workers share the host's
+cores as the simulation's clients do, at most one training per core at a time
+(``--host-slots``, default the number of cores; 0 lets all N train at once, as N hosts would).
 Reported: median round wall time over rounds 2..R of each, the ratio deployment / simulation,
 and the largest per-round accuracy difference. Then a per-message breakdown, measured in a
 fresh process like the one Flower's own executor starts for every message: interpreter and
@@ -76,6 +78,7 @@ def wait_for_rounds(out: Path, rounds: int, timeout: float) -> None:
 
 def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, data: Path) -> list[dict]:
     work.mkdir(parents=True)
+    os.environ["FEDPAC_HOST_SLOTS"], os.environ["FEDPAC_HOST_SLOTS_DIR"] = str(args.host_slots), str(work / "slots")
     certs = create_certificates(work / "certs", args.clients)
     federation = Federation(work, certs, args.clients, database=args.superlink_database)
     try:
@@ -159,6 +162,8 @@ def main() -> None:
                      help="the SuperLink's state: an SQLite file (default) or in memory")
     cli.add_argument("--settle", type=float, default=60,
                      help="seconds between starting the SuperNodes and submitting the run")
+    cli.add_argument("--host-slots", type=int, default=os.cpu_count() or 1,
+                     help="trainings at once on this host (default: its cores; 0: no limit)")
     cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = cli.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per client, as in the simulation
@@ -169,7 +174,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
 
     results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset,
-                     "superlink_database": args.superlink_database}
+                     "superlink_database": args.superlink_database, "host_slots": args.host_slots}
     data = export_partitions(args, work / "data")
     timed = {"simulation": simulate(args, work / "simulation"),
              "deployment": deploy(args, work / "warm", "warm", args.rounds, data)}

@@ -73,7 +73,8 @@ def client_tensors(
 
 def _model_from(record: ArrayRecord, cfg: FedPACConfig, device: torch.device) -> FedPACNet:
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    model.load_state_dict(record.to_torch_state_dict(), strict=True)
+    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in p.from_record(record).items()},
+                          strict=True)
     return model.to(device)
 
 
@@ -136,7 +137,8 @@ def train(msg: Message, context: Context) -> Message:
     if update.align_loss is not None:
         metrics["align-loss"] = update.align_loss
     metrics["train-seconds"] = time.perf_counter() - started
-    content = RecordDict({p.ARRAYS: ArrayRecord(torch_state_dict=model.state_dict()), p.METRICS: metrics})
+    state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
+    content = RecordDict({p.ARRAYS: p.to_record(state), p.METRICS: metrics})
     statistics = _statistics_record(update)
     if statistics is not None:
         content[p.STATISTICS] = statistics

@@ -7,7 +7,14 @@ to 3 s (about 2.9 s with 20 nodes: the slowest node decides) before any training
 is a large part of a round that computes for a few seconds. This launcher runs the unchanged
 ``flower-supernode`` (same arguments, same TLS, authentication and gRPC) with those two waits
 shortened to ``FEDPAC_NODE_PULL_INTERVAL`` (default 0.5 s) and 0.1 s. An idle node then asks the
-SuperLink about twice a second, a small authenticated request.
+SuperLink about twice a second, a small authenticated request (a long poll when the SuperLink
+is ``deploy/patient_superlink.py``).
+
+Its Runtime API answers a ClientApp executor's ``AcquireTask`` by long polling
+(``deploy/long_poll.py``): with no task pending it waits up to ``FEDPAC_NODE_TASK_WAIT`` seconds
+(default 2; 0: off) for the node to store one. An executor polling every 0.1 s then costs one
+request per 2 s while the node is idle instead of ten a second, and gets a new task as soon as
+it is stored.
 
     python deploy/fast_supernode.py --superlink HOST:9092 ...   # flower-supernode's arguments
 
@@ -26,6 +33,10 @@ import types
 
 import flwr.supernode.start_client_internal as supernode_loop
 from flwr.supernode.cli.flower_supernode import flower_supernode
+from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+from flwr.supernode.servicer.runtime import runtime_handlers
+
+from long_poll import LongPoll, wait_from_environment
 
 IDLE_PULL_WAIT = 3.0  # Flower 1.39's wait after an empty pull
 REPLY_WAIT = 0.5  # Flower 1.39's wait between looks for the ClientApp's reply
@@ -49,7 +60,16 @@ def patched_time_module(pull_interval: float) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**names, "sleep": shortened_sleep(pull_interval)})
 
 
+def long_poll_tasks(wait: float) -> LongPoll:
+    """Make the Runtime API's ``AcquireTask`` a long poll, woken when the node creates a task."""
+    poll = LongPoll(wait)
+    InMemoryNodeState.create_task = poll.producer(InMemoryNodeState.create_task)  # type: ignore[method-assign]
+    runtime_handlers.acquire_task = poll.handler(runtime_handlers.acquire_task, lambda response: bool(response.token))
+    return poll
+
+
 def main() -> None:
+    long_poll_tasks(wait_from_environment("FEDPAC_NODE_TASK_WAIT", 2.0))
     try:
         interval = float(os.environ.get("FEDPAC_NODE_PULL_INTERVAL", "0.5"))
     except ValueError:

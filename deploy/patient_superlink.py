@@ -8,6 +8,14 @@ message is lost, and the round waits for it until ``round-timeout``. This launch
 unchanged ``flower-superlink`` (same arguments) with the wait raised to
 ``FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS`` (default 60000).
 
+Both of its poll-based APIs answer by long polling (``deploy/long_poll.py``), waiting up to
+``FEDPAC_SUPERLINK_PULL_WAIT`` seconds (default 2; 0: off) when there is nothing to answer yet:
+a SuperNode's ``PullMessages`` until the ServerApp stores a message (an idle federation costs
+one pull per node every 2 s, and a message goes out as soon as it is stored), and the
+ServerApp's ``PullMessages`` until a SuperNode stores a reply (the ServerApp polls for replies
+every 0.1 s, ``server_app/grid.py``; each poll of the HTTP API costs the SuperLink about as
+much CPU as a client's whole message).
+
     python deploy/patient_superlink.py --ssl-ca-certfile ... # flower-superlink's arguments
 
 ``deploy/superlink.sh`` and the compose cluster start the SuperLink this way. A test checks that
@@ -20,7 +28,13 @@ import os
 import sys
 
 import flwr.supercore.sql_mixin as sql_mixin
+from flwr.server.superlink.fleet.message_handler import message_handler
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
 from flwr.superlink.cli.flower_superlink import flower_superlink
+from flwr.superlink.servicer.runtime import runtime_handlers
+
+from long_poll import LongPoll, wait_from_environment
 
 
 def with_busy_timeout(pragmas: tuple[tuple[str, str], ...], milliseconds: int) -> tuple[tuple[str, str], ...]:
@@ -30,7 +44,24 @@ def with_busy_timeout(pragmas: tuple[tuple[str, str], ...], milliseconds: int) -
     return tuple((name, str(milliseconds) if name == "busy_timeout" else value) for name, value in pragmas)
 
 
+def long_poll_messages(wait: float) -> tuple[LongPoll, LongPoll]:
+    """Make both ``PullMessages`` long polls: the Fleet API's (SuperNodes) woken when a message
+    for the nodes is stored, the Runtime API's (ServerApp) when a reply is stored."""
+    to_nodes, to_server = LongPoll(wait), LongPoll(wait)
+    for state in (InMemoryLinkState, SqlLinkState):
+        state.store_message_ins = to_nodes.producer(state.store_message_ins)  # type: ignore[method-assign]
+        state.store_message_res = to_server.producer(state.store_message_res)  # type: ignore[method-assign]
+    message_handler.pull_messages = to_nodes.handler(message_handler.pull_messages, _has_messages)
+    runtime_handlers.pull_messages = to_server.handler(runtime_handlers.pull_messages, _has_messages)
+    return to_nodes, to_server
+
+
+def _has_messages(response) -> bool:  # noqa: ANN001  # a PullMessagesResponse of either API
+    return len(response.messages_list) > 0
+
+
 def main() -> None:
+    long_poll_messages(wait_from_environment("FEDPAC_SUPERLINK_PULL_WAIT", 2.0))
     raw = os.environ.get("FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS", "60000")
     if not raw.isdigit() or not 1000 <= int(raw) <= 600_000:
         sys.exit(f"patient_superlink: FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS must be 1000..600000, got {raw!r}")

@@ -80,6 +80,13 @@ def _get(msg: Message, key: str):
     return msg.content[key]
 
 
+def _arrays(msg: Message, key: str) -> p.NDArrays:
+    try:
+        return p.from_record(_get(msg, key))
+    except ValueError as err:
+        raise InvalidReply(f"record '{key}': {err}") from err
+
+
 def _metric(metrics, key: str) -> float:
     if key not in metrics:
         raise InvalidReply(f"missing metric '{key}'")
@@ -111,7 +118,7 @@ def _parse_statistics(msg: Message, expected: dict[str, tuple[int, ...]]) -> p.N
     """The statistics record: exactly the expected arrays, with their shapes, all finite."""
     if not expected:
         return {}  # the record itself is refused by _check_shape_of_reply
-    stats = p.from_record(_get(msg, p.STATISTICS))
+    stats = _arrays(msg, p.STATISTICS)
     extra = sorted(set(stats) - set(expected))
     if extra:
         raise InvalidReply(f"statistics hold unexpected arrays {extra}")
@@ -143,7 +150,7 @@ def parse_train_reply(
     _check_shape_of_reply(msg, TRAIN_RECORDS if expected else TRAIN_RECORDS - {p.STATISTICS})
     metrics = _get(msg, p.METRICS)
     partition_id = _partition_id(metrics, num_partitions)
-    arrays = p.from_record(_get(msg, p.ARRAYS))
+    arrays = _arrays(msg, p.ARRAYS)
     extractor = _check_arrays(
         {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
     )

@@ -1,11 +1,12 @@
 """Every kind of bad reply is rejected with a logged reason; the rest of the round proceeds
 and nothing from the bad reply reaches the global state."""
 
+import io
 import logging
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord
 
 from common import protocol as p
 from common.config import parse_run_config
@@ -43,7 +44,19 @@ def _inf(a):
 
 
 def _add_record(reply):
-    reply.content["extra"] = ArrayRecord(array_dict={"blob": p.to_record({"x": np.zeros(10**6)})["x"]})
+    reply.content["extra"] = p.to_record({"blob": np.zeros(10**6)})
+
+
+def _replace_packed(record_key, buffer):
+    def tamper(reply):
+        reply.content[record_key] = ArrayRecord(array_dict={p.PACKED: Array(buffer)})
+    return tamper
+
+
+def _compressed(arrays):
+    stream = io.BytesIO()
+    np.savez_compressed(stream, **arrays)
+    return np.frombuffer(stream.getvalue(), dtype=np.uint8)
 
 
 CASES = {
@@ -66,6 +79,10 @@ CASES = {
     "oversized: an extra record": (_add_record, "unexpected record"),
     "oversized: a huge metric list": (_set_metric("padding", [0.0] * 100_000), "lists"),
     "missing statistics": (lambda r: r.content.pop(p.STATISTICS), "missing record"),
+    "packed arrays not an archive": (_replace_packed(p.ARRAYS, np.arange(100, dtype=np.uint8)), "not a packed"),
+    "packed statistics as floats": (_replace_packed(p.STATISTICS, np.zeros(10)), "holds bytes"),
+    "packed statistics compressed (a zip bomb)": (
+        _replace_packed(p.STATISTICS, _compressed({p.H: np.zeros((10, 128))})), "must not be compressed"),
 }
 
 

@@ -1,28 +1,36 @@
 """What a deployed site depends on, without a deployment: one normalization for every client,
-the personalized model a site keeps and its predict entry point, and the SuperNode launcher's
-patch of Flower's loop (which must fail loudly if Flower's loop changes)."""
+the personalized model a site keeps and its predict entry point, the launchers' patches of
+Flower (which must fail loudly if Flower changes) and their long polls, the host's training
+slots, and the packed records every message carries."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import flwr.supernode.start_client_internal as supernode_loop
+from flwr.app import Array, ArrayRecord
+
 from client_app import site_model
 from client_app.app import client_tensors
 from common.config import ConfigError, parse_run_config
 from common.data import DATASET_NORMALIZATION, DataError, load_embedded_mnist, normalization, run_normalization
+from common import protocol
 from common.model import FedPACNet
 from tests.deployment import ROOT
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import fast_supernode  # noqa: E402  pylint: disable=wrong-import-position
+import long_poll  # noqa: E402  pylint: disable=wrong-import-position
 import patient_superlink  # noqa: E402  pylint: disable=wrong-import-position
+import warm_executor  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_named_datasets_normalize_with_their_training_sets_statistics():
@@ -125,3 +133,91 @@ def test_patient_superlink_raises_exactly_flowers_sqlite_busy_timeout():
     assert patched == {**dict(sql_mixin.SQLITE_PRAGMAS), "busy_timeout": "60000"}
     with pytest.raises(RuntimeError, match="busy_timeout"):
         patient_superlink.with_busy_timeout((("journal_mode", "WAL"),), 60000)
+
+
+def test_long_poll_answers_as_soon_as_something_is_stored_and_empty_only_after_its_wait():
+    poll = long_poll.LongPoll(wait=1.0)
+    store: list[str] = []
+    put = poll.producer(store.append)
+    take = poll.handler(lambda: list(store), answered=bool)
+
+    started = time.monotonic()
+    assert take() == [] and 0.95 <= time.monotonic() - started < 1.5  # nothing came: empty after the wait
+
+    threading.Timer(0.2, put, args=("message",)).start()
+    started = time.monotonic()
+    assert take() == ["message"] and time.monotonic() - started < 0.5  # woken by the store, not the wait
+
+    off = long_poll.LongPoll(wait=0.0).handler(lambda: [], answered=bool)
+    started = time.monotonic()
+    assert off() == [] and time.monotonic() - started < 0.1
+    with pytest.raises(ValueError, match="0 to 25"):
+        long_poll.LongPoll(wait=60)
+
+
+def test_long_poll_answers_at_once_beyond_its_waiting_bound():
+    poll = long_poll.LongPoll(wait=1.0, max_waiting=1)
+    take = poll.handler(lambda: [], answered=bool)
+    first = threading.Thread(target=take)
+    first.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert take() == [] and time.monotonic() - started < 0.2  # the one waiting slot is taken
+    first.join()
+
+
+def test_launchers_make_flowers_pull_handlers_long_polls(monkeypatch):
+    """The patch points exist in this Flower (else the launchers are stale) and get wrapped."""
+    from flwr.server.superlink.fleet.message_handler import message_handler
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    from flwr.superlink.servicer.runtime import runtime_handlers as link_handlers
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+    from flwr.supernode.servicer.runtime import runtime_handlers as node_handlers
+
+    for owner, name in [(message_handler, "pull_messages"), (link_handlers, "pull_messages"),
+                        (node_handlers, "acquire_task"), (InMemoryNodeState, "create_task"),
+                        (InMemoryLinkState, "store_message_ins"), (InMemoryLinkState, "store_message_res")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    originals = message_handler.pull_messages, link_handlers.pull_messages, node_handlers.acquire_task
+    patient_superlink.long_poll_messages(1.0)
+    fast_supernode.long_poll_tasks(1.0)
+    wrapped = message_handler.pull_messages, link_handlers.pull_messages, node_handlers.acquire_task
+    assert all(new is not old and new.__wrapped__ is old for new, old in zip(wrapped, originals))
+
+
+def test_host_slots_let_at_most_count_holders_in_at_once(tmp_path):
+    slots = warm_executor.HostSlots(tmp_path / "slots", 2)
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def hold() -> None:
+        with slots.held():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.1)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=hold) for _ in range(6)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 2 and time.monotonic() - started >= 0.29  # three waves of two
+    with warm_executor.HostSlots(tmp_path / "unused", 0).held():  # 0: no limit, no files
+        assert not (tmp_path / "unused").exists()
+
+
+def test_packed_records_keep_names_dtypes_and_shapes_in_one_array():
+    arrays = {"extractor.0.weight": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+              "client-3/head.bias": np.array([1, 2], dtype=np.int64), "mask": np.array([True, False])}
+    record = protocol.to_record(arrays)
+    assert list(record) == [protocol.PACKED]
+    back = protocol.from_record(record)
+    assert list(back) == list(arrays)
+    for key, value in arrays.items():
+        assert back[key].dtype == value.dtype and np.array_equal(back[key], value)
+    plain = ArrayRecord(array_dict={"w": Array(np.ones(3))})  # Flower's own form is still read
+    assert list(protocol.from_record(plain)) == ["w"]
