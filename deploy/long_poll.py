@@ -24,14 +24,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
+MAX_WAIT = 25.0  # seconds; the pollers' HTTP clients give up after 30
 
 
 class LongPoll:
     """Wakes waiting poll handlers whenever a wrapped producer stored something."""
 
     def __init__(self, wait: float, max_waiting: int = 256) -> None:
-        if not 0 <= wait <= 25:
-            raise ValueError(f"a long poll waits 0 to 25 s (clients time out at 30 s), got {wait}")
+        if not 0 <= wait <= MAX_WAIT:
+            raise ValueError(f"a long poll waits 0 to {MAX_WAIT:g} s (clients time out at 30 s), got {wait}")
         self.wait, self.max_waiting = wait, max_waiting
         self._condition = threading.Condition()
         self._stored = 0  # how many times a producer stored something
@@ -87,6 +88,6 @@ def wait_from_environment(variable: str, default: float) -> float:
         wait = float(raw)
     except ValueError:
         wait = -1.0
-    if not 0 <= wait <= 25:
-        raise SystemExit(f"{variable} must be a number of seconds from 0 (off) to 25, got {raw!r}")
+    if not 0 <= wait <= MAX_WAIT:
+        raise SystemExit(f"{variable} must be a number of seconds from 0 (off) to {MAX_WAIT:g}, got {raw!r}")
     return wait

@@ -47,9 +47,9 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from logging import ERROR, INFO, WARNING
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import httpx
 from flwr.app import Message
@@ -103,8 +103,8 @@ class HostSlots:
     host): each slot is a file, held by an exclusive ``flock`` that the kernel releases when its
     holder dies. ``count`` 0: no limit."""
 
-    directory: Path
-    count: int
+    directory: Path = Path()
+    count: int = 0
     retry_interval: float = 0.02
 
     @contextlib.contextmanager
@@ -145,7 +145,7 @@ class WorkerOptions:
 
     preload: tuple[str, ...] = ()
     niceness: int = 0
-    slots: HostSlots = HostSlots(Path(), 0)
+    slots: HostSlots = HostSlots()
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -168,7 +168,7 @@ def _heartbeat_fn(client: RuntimeHttpClient):  # noqa: ANN202
 class TaskRunner:
     """Runs ClientApp tasks one after another in this process, the app loaded once per FAB."""
 
-    def __init__(self, endpoint: RuntimeEndpoint, slots: HostSlots = HostSlots(Path(), 0)) -> None:
+    def __init__(self, endpoint: RuntimeEndpoint, slots: HostSlots = HostSlots()) -> None:
         self.endpoint = endpoint
         self.slots = slots
         self.apps: dict[str, ClientApp] = {}
