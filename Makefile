@@ -26,6 +26,7 @@ run: install
 
 test: install
 	deploy/install-docker.sh $(VENV)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest --durations=12
 
 stop:  # the local SuperLink that `flwr run` starts keeps running after the run

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client_app.train import local_update  # noqa: E402
+from client_app.train import Received, local_update  # noqa: E402
 from common.config import parse_run_config  # noqa: E402
 from common.data import load_dataset, run_normalization, to_tensors  # noqa: E402
 from load import one_core_taken  # noqa: E402
@@ -83,7 +83,8 @@ def main() -> None:
             _sync(device)
             started = time.perf_counter()
             if name == "fedpac":
-                local_update(model, x, y, centroids, mask, cfg, torch.Generator().manual_seed(repeat))
+                local_update(model, x, y, Received(targets=centroids, target_mask=mask), cfg,
+                             torch.Generator().manual_seed(repeat))
                 _sync(device)
             else:
                 plain_loop(model, x, y, cfg, device)
@@ -123,7 +124,8 @@ def busy(args, cfg, x, y, centroids, mask, samples, device) -> None:  # noqa: AN
                     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
                     started = time.perf_counter()
                     torch.set_num_threads(threads)
-                    local_update(model, x, y, centroids, mask, cfg, torch.Generator().manual_seed(repeat))
+                    local_update(model, x, y, Received(targets=centroids, target_mask=mask), cfg,
+                                 torch.Generator().manual_seed(repeat))
                     _sync(device)
                     if repeat:
                         times.append(time.perf_counter() - started)

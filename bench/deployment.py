@@ -110,7 +110,7 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 import client_app.app as ca
-from client_app.train import local_update
+from client_app.train import Received, local_update
 from common.config import parse_run_config
 t_import = time.perf_counter() - t0 + float(sys.argv[2])
 
@@ -122,7 +122,7 @@ def message(cfg):
     s = time.perf_counter(); x, y, _, _ = ca.client_tensors(cfg, 0, int(sys.argv[3]), device)
     t["data loading"] = time.perf_counter() - s
     s = time.perf_counter()
-    local_update(model, x, y, None, None, cfg, ca._generator(cfg, 1, 0))
+    local_update(model, x, y, Received(), cfg, ca._generator(cfg, 1, 0))
     t["compute"] = time.perf_counter() - s
     s = time.perf_counter()
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=model.state_dict())})

@@ -10,13 +10,14 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app.train import LocalUpdate, finetune_head, local_update
+from client_app.train import LocalUpdate, Received, finetune_head, local_update
 from client_app.train import evaluate as evaluate_model
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
+from common.drift import Drift, label_map
 from common.methods import METHODS
-from common.model import FedPACNet
+from common.model import HEAD_PREFIX, FedPACNet
 from common.partition import client_split
 from client_app.site_model import SiteModel, save_site_model
 
@@ -71,6 +72,30 @@ def client_tensors(
     return (*to_tensors(*train, mean, std, device), *to_tensors(*test, mean, std, device))
 
 
+@lru_cache(maxsize=4)
+def full_test_tensors(cfg: FedPACConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset's whole test set on ``device``, for the generalized accuracy (once per process)."""
+    data = load_dataset(cfg)
+    return to_tensors(data.test_images, data.test_labels, *run_normalization(cfg, data), device)
+
+
+def current_concept(y: torch.Tensor, cfg: FedPACConfig, partition_id: int, server_round: int) -> torch.Tensor:
+    """Labels in the client's concept of this round (``common.drift``): derived from the
+    partition-id and the round alone, so a restarted node or a resumed run sees the same."""
+    drift = Drift.from_config(cfg)
+    if drift.pattern == "none":
+        return y
+    mapping = torch.as_tensor(label_map(partition_id, server_round, drift, cfg.num_classes), device=y.device)
+    return mapping[y]
+
+
+def generalized_due(cfg: FedPACConfig, server_round: int) -> bool:
+    """Whether this round measures the generalized accuracy: every ``generalized-every`` rounds
+    and at the last one."""
+    every = cfg.generalized_every
+    return server_round == cfg.num_server_rounds or bool(every and server_round % every == 0)
+
+
 def _model_from(record: ArrayRecord, cfg: FedPACConfig, device: torch.device) -> FedPACNet:
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
     model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in p.from_record(record).items()},
@@ -94,14 +119,22 @@ def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose:
     )
 
 
-def _global_centroids(msg: Message, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The global centroids and their mask, for methods with feature alignment (else absent)."""
-    if p.CENTROIDS not in msg.content:
-        return None, None
-    received = p.from_record(msg.content[p.CENTROIDS])
-    centroids = torch.as_tensor(received[p.CENTROID_VALUES], dtype=torch.float32, device=device)
-    mask = torch.as_tensor(received[p.CENTROID_MASK], dtype=torch.bool, device=device)
-    return centroids, mask
+def _received(msg: Message, server_round: int, device: torch.device) -> Received:
+    """The rest of the server's message: alignment targets (methods with feature alignment),
+    the fixed initial head and whether the sent head is the client's own (FedCCFA)."""
+    targets = mask = None
+    if p.CENTROIDS in msg.content:
+        arrays = p.from_record(msg.content[p.CENTROIDS])
+        targets = torch.as_tensor(arrays[p.CENTROID_VALUES], dtype=torch.float32, device=device)
+        mask = torch.as_tensor(arrays[p.CENTROID_MASK], dtype=torch.bool, device=device)
+    initial_head = {}
+    if p.INITIAL_HEAD in msg.content:
+        # the head module's own keys (weight, bias), as the routine loads it into model.head
+        initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
+                        for key, value in p.from_record(msg.content[p.INITIAL_HEAD]).items()}
+    config = msg.content[p.CONFIG]
+    return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
+                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, True)))
 
 
 def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
@@ -113,6 +146,9 @@ def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
         arrays[p.CLASS_COUNTS] = update.class_counts.cpu().numpy().astype(np.int64)
     if update.statistics is not None:
         arrays[p.H] = update.statistics.h.float().cpu().numpy()
+    if update.balanced_head is not None:
+        arrays[p.BALANCED_WEIGHT] = update.balanced_head["weight"].cpu().numpy()
+        arrays[p.BALANCED_BIAS] = update.balanced_head["bias"].cpu().numpy()
     return p.to_record(arrays) if arrays else None
 
 
@@ -123,9 +159,10 @@ def train(msg: Message, context: Context) -> Message:
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
     x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
-    centroids, mask = _global_centroids(msg, device)
+    y = current_concept(y, cfg, partition_id, server_round)
+    received = _received(msg, server_round, device)
 
-    update = local_update(model, x, y, centroids, mask, cfg, _generator(cfg, server_round, partition_id))
+    update = local_update(model, x, y, received, cfg, _generator(cfg, server_round, partition_id))
 
     metrics = MetricRecord(
         {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, "train-loss": update.train_loss}
@@ -136,6 +173,8 @@ def train(msg: Message, context: Context) -> Message:
         metrics["head-loss"] = update.head_loss
     if update.align_loss is not None:
         metrics["align-loss"] = update.align_loss
+    if update.align_weight is not None:
+        metrics["align-weight"] = update.align_weight
     metrics["train-seconds"] = time.perf_counter() - started
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
     content = RecordDict({p.ARRAYS: p.to_record(state), p.METRICS: metrics})
@@ -168,12 +207,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     That is the global extractor with the client's combined head (FedPAC), its own head
     (FedPer, FedRep, alignment-only), the global model (FedAvg), or its own model (Local-only).
     FedAvg-FT first fine-tunes the head on the local training data; nothing of that goes back.
+    Labels are the client's concept of this round. In the rounds ``generalized_due`` names, a
+    client that trains on a slice of the run's dataset also reports the generalized accuracy:
+    the whole test set relabelled with its concept (a deployed site with its own data folder
+    has no such test set and reports none).
     """
     started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
+    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    y = current_concept(y, cfg, partition_id, server_round)
+    y_test = current_concept(y_test, cfg, partition_id, server_round)
     if METHODS[cfg.strategy].finetune_before_evaluation:
-        server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
         finetune_head(model, x, y, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, x_test, y_test)
     _keep_site_model(model, cfg, context, msg, accuracy)
@@ -183,9 +228,13 @@ def evaluate(msg: Message, context: Context) -> Message:
             p.NUM_EXAMPLES: len(y_test),
             "accuracy": accuracy,
             "loss": loss,
-            "eval-seconds": time.perf_counter() - started,
         }
     )
+    if generalized_due(cfg, server_round) and not data_path_of(context):
+        x_all, y_all = full_test_tensors(cfg, device)
+        _, metrics[p.GENERALIZED_ACCURACY] = evaluate_model(
+            model, x_all, current_concept(y_all, cfg, partition_id, server_round))
+    metrics["eval-seconds"] = time.perf_counter() - started
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
 
 

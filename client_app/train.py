@@ -10,21 +10,26 @@ small training routine:
   local centroids are taken with the *trained* extractor.
 * FedAvg, FedAvg-FT, FedPer and Local-only (:func:`train_joint`): the whole model, E epochs.
 * FedRep (:func:`representation_update`): many head epochs with the body frozen, then the body.
+* FedCCFA (:func:`clustered_update`): a balanced-batch head from the fixed initial head (the
+  server clusters these), the personal head, then the extractor with features pulled towards
+  the client's cluster anchors by a contrastive loss weighted by the label entropy.
 
 A method computes only what its server step uses: statistics only when heads are mixed,
-centroids only with feature alignment.
+class means only with feature alignment, the balanced head only when heads are clustered.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.config import FedPACConfig
-from common.methods import METHODS, Method, Routine
+from common.clustering import entropy_weight
+from common.methods import METHODS, Alignment, Method, Routine
 from common.model import FedPACNet
 from common.statistics import FeatureStatistics, class_feature_sums, feature_statistics
 
@@ -41,8 +46,31 @@ class LocalUpdate:
     statistics: FeatureStatistics | None = None  # before training, for the QP
     centroids: torch.Tensor | None = None  # (K, d) float32, after training (eq. 17)
     class_counts: torch.Tensor | None = None  # (K,) n_ik
-    head_loss: float | None = None  # head-only epochs (FedPAC, FedRep)
+    head_loss: float | None = None  # head-only epochs (FedPAC, FedRep, FedCCFA's personal head)
     align_loss: float | None = None  # the alignment term, with feature alignment
+    balanced_head: dict[str, torch.Tensor] | None = None  # FedCCFA: the clustering input
+    align_weight: float | None = None  # FedCCFA: H(P(Y)) / gamma
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the server sent for this round besides the model.
+
+    ``targets``/``target_mask``: the alignment targets (FedPAC's global centroids, FedCCFA's
+    anchors of this client), absent for methods without alignment. ``initial_head``: FedCCFA's
+    fixed phi^0; ``has_personal_head``: whether the head in the model is the client's own
+    (False for a first participation, when it only holds phi^0).
+    """
+
+    server_round: int = 1
+    targets: torch.Tensor | None = None
+    target_mask: torch.Tensor | None = None
+    initial_head: dict[str, torch.Tensor] = field(default_factory=dict)
+    has_personal_head: bool = True
+
+
+# An alignment term: (features, labels) -> a scalar loss; its weight is applied by the caller.
+AlignmentTerm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _batches(num_samples: int, batch_size: int, generator: torch.Generator, device: torch.device):
@@ -73,6 +101,23 @@ def alignment_loss(
     aligned = mask[labels].to(features.dtype)
     per_sample = (features - targets).square().mean(dim=1)
     return (per_sample * aligned).sum() / len(labels)
+
+
+def contrastive_alignment_loss(
+    features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """FedCCFA's alignment: mean_b CE([cos(f(x_b), A_c) / tau]_c, y_b), as the authors' code.
+
+    The anchors are constants. Classes without an anchor take no part in the softmax; samples
+    of such a class contribute zero but count in the batch size, like FedPAC's alignment.
+    """
+    logits = F.cosine_similarity(features.unsqueeze(1), anchors.unsqueeze(0), dim=2) / temperature
+    logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    aligned = mask[labels]
+    if not aligned.any():
+        return features.sum() * 0.0
+    per_sample = F.cross_entropy(logits[aligned], labels[aligned], reduction="sum")
+    return per_sample / len(labels)
 
 
 def train_head(  # pylint: disable=too-many-arguments
@@ -112,21 +157,21 @@ def train_extractor(  # pylint: disable=too-many-arguments
     model: FedPACNet,
     x: torch.Tensor,
     y: torch.Tensor,
-    centroids: torch.Tensor | None,
-    mask: torch.Tensor | None,
     cfg: FedPACConfig,
     generator: torch.Generator,
+    alignment: AlignmentTerm | None = None,
+    weight: float = 0.0,
     epochs: int | None = None,
 ) -> tuple[float, float]:
-    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen (eq. 3).
+    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen:
+    CE + ``weight`` * ``alignment`` (FedPAC eq. 3, FedCCFA's contrastive term), or plain CE.
 
-    Without ``centroids`` (methods without feature alignment) the loss is plain CE.
-    Returns the mean total loss and the mean alignment term over all batches.
+    Returns the mean total loss and the mean (unweighted) alignment term over all batches.
     """
     model.train()
     model.head.requires_grad_(False)
     optimizer = _sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
-    use_alignment = centroids is not None and cfg.lambda_align > 0 and bool(mask.any())
+    use_alignment = alignment is not None and weight > 0
     total = torch.zeros((), device=x.device)
     total_align = torch.zeros((), device=x.device)
     seen = 0
@@ -138,8 +183,8 @@ def train_extractor(  # pylint: disable=too-many-arguments
                     logits = model.head(features)
                 loss = F.cross_entropy(logits.float(), y[idx])
                 if use_alignment:
-                    align = alignment_loss(features.float(), y[idx], centroids, mask)
-                    loss = loss + cfg.lambda_align * align
+                    align = alignment(features.float(), y[idx])
+                    loss = loss + weight * align
                     total_align += align.detach() * len(idx)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -203,8 +248,11 @@ def alternating_update(  # pylint: disable=too-many-arguments
     if method.needs_statistics:
         before = feature_statistics(class_feature_sums(model.extractor, x, y, num_classes))
     head_loss = train_head(model, x, y, cfg, generator)
-    aligned = centroids if method.alignment else None
-    train_loss, align = train_extractor(model, x, y, aligned, mask, cfg, generator)
+    alignment = None
+    if method.alignment is Alignment.CENTROIDS and centroids is not None and bool(mask.any()):
+        def alignment(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return alignment_loss(features, labels, centroids, mask)
+    train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align)
     local_centroids = None
     if method.needs_centroids:
         local_centroids = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
@@ -215,7 +263,7 @@ def alternating_update(  # pylint: disable=too-many-arguments
         centroids=local_centroids,
         class_counts=_class_counts(y, num_classes) if method.sends_class_counts else None,
         head_loss=head_loss,
-        align_loss=align if method.alignment else None,
+        align_loss=align if method.needs_centroids else None,
     )
 
 
@@ -226,16 +274,83 @@ def representation_update(
     ``fedrep-body-epochs`` epochs of the body with the head frozen, both at the baselines' step
     size."""
     head_loss = train_head(model, x, y, cfg, generator, epochs=cfg.fedrep_head_epochs, lr=cfg.extractor_lr)
-    train_loss, _ = train_extractor(model, x, y, None, None, cfg, generator, epochs=cfg.fedrep_body_epochs)
+    train_loss, _ = train_extractor(model, x, y, cfg, generator, epochs=cfg.fedrep_body_epochs)
     return LocalUpdate(num_examples=len(y), train_loss=train_loss, head_loss=head_loss)
+
+
+def balanced_sample(y: torch.Tensor, per_class: int, generator: torch.Generator) -> torch.Tensor:
+    """Indices of m samples of every class present, m = min(``per_class``, the smallest count
+    of a present class), drawn without replacement (FedCCFA's ``class_balance_sample``, over
+    the classes actually present rather than assuming 0..C'-1)."""
+    counts = torch.bincount(y.cpu())
+    present = torch.nonzero(counts).flatten()
+    m = min(per_class, int(counts[present].min()))
+    chosen = []
+    for c in present.tolist():
+        members = torch.nonzero(y.cpu() == c).flatten()
+        chosen.append(members[torch.randperm(len(members), generator=generator)[:m]])
+    return torch.cat(chosen).to(y.device)
+
+
+def _head_state(model: FedPACNet) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.head.state_dict().items()}
+
+
+def clustered_update(  # pylint: disable=too-many-arguments
+    model: FedPACNet,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    received: Received,
+    cfg: FedPACConfig,
+    generator: torch.Generator,
+) -> LocalUpdate:
+    """FedCCFA's round, in the authors' order.
+
+    1. The balanced head: from the fixed initial head phi^0, ``balanced-epochs`` epochs on a
+       class-balanced sample (frozen extractor). Only the server's clustering uses it: starting
+       every client from the same phi^0 is what makes their heads comparable.
+    2. The personal head: the server's merged head phi^_k (a first participant starts from its
+       balanced head), ``head-epochs`` epochs on all local data.
+    3. The extractor, head frozen: CE + H(P_k(Y))/gamma * the contrastive alignment to the
+       client's anchors, from round ``align-from-round`` on and once the client has anchors.
+    4. The local anchors: class means of the trained extractor's features.
+    """
+    num_classes = model.num_classes
+    counts = _class_counts(y, num_classes)
+    personal = _head_state(model)
+    model.head.load_state_dict(received.initial_head)
+    sample = balanced_sample(y, cfg.balanced_samples_per_class, generator)
+    train_head(model, x[sample], y[sample], cfg, generator, epochs=cfg.balanced_epochs, lr=cfg.balanced_lr)
+    balanced = _head_state(model)
+    if received.has_personal_head:
+        model.head.load_state_dict(personal)
+    head_loss = train_head(model, x, y, cfg, generator)
+
+    weight = entropy_weight(counts.cpu().numpy(), cfg.align_gamma, cfg.align_lambda)
+    anchors, mask = received.targets, received.target_mask
+    alignment = None
+    if received.server_round >= cfg.align_from_round and anchors is not None and bool(mask.any()):
+        def alignment(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return contrastive_alignment_loss(features, labels, anchors, mask, cfg.align_temperature)
+    train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, weight)
+    local_anchors = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
+    return LocalUpdate(
+        num_examples=len(y),
+        train_loss=train_loss,
+        centroids=local_anchors,
+        class_counts=counts,
+        head_loss=head_loss,
+        align_loss=align,
+        balanced_head=balanced,
+        align_weight=weight,
+    )
 
 
 def local_update(  # pylint: disable=too-many-arguments
     model: FedPACNet,
     x: torch.Tensor,
     y: torch.Tensor,
-    centroids: torch.Tensor | None,
-    mask: torch.Tensor | None,
+    received: Received,
     cfg: FedPACConfig,
     generator: torch.Generator,
 ) -> LocalUpdate:
@@ -243,10 +358,13 @@ def local_update(  # pylint: disable=too-many-arguments
 
     ``model`` arrives holding what the server sent (the global extractor and the client's head,
     or for Local-only the client's own model) and leaves holding the trained one. ``x``/``y``
-    are on the training device, without augmentation. ``centroids``/``mask`` are the global
-    centroids; only methods with feature alignment receive and use them.
+    are on the training device, without augmentation, labels in the client's current concept.
+    ``received`` holds the rest of the server's message (alignment targets, phi^0, the round).
     """
     method = METHODS[cfg.strategy]
+    centroids, mask = received.targets, received.target_mask
+    if method.routine is Routine.CLUSTERED:
+        return clustered_update(model, x, y, received, cfg, generator)
     if method.routine is Routine.ALTERNATING:
         return alternating_update(model, x, y, centroids, mask, cfg, generator, method)
     if method.routine is Routine.REPRESENTATION:

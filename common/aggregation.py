@@ -1,4 +1,5 @@
-"""Server-side aggregation of FedPAC (eq. 18 and 19) and of its baselines: pure numpy, no Flower."""
+"""Server-side aggregation of every method: FedPAC (eq. 18 and 19), its baselines, FedCCFA's
+clustered heads. Pure numpy, no Flower."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.clustering import ClassClusters, cluster_and_merge, head_rows, rows_to_head
 from common.collaboration import CollaborationResult, collaboration_weights, mix_heads
-from common.methods import FEDPAC, Method, Rule
+from common.methods import FEDPAC, Alignment, Method, Rule
 
 
 def weighted_average(
@@ -60,6 +62,49 @@ class RoundAggregate:
     centroid_mask: np.ndarray | None
     heads: list[dict[str, np.ndarray]]  # the head each input client gets (phi^_i for FedPAC)
     collaboration: CollaborationResult | None  # only when heads are mixed
+    clusters: ClassClusters | None = None  # only when heads are clustered: anchors, labels
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """FedCCFA's server-side settings (run config ``cluster-*``, ``clustered-anchors``)."""
+
+    eps: float = 0.1
+    weights: str = "uniform"
+    clustered_anchors: bool = True
+
+
+def clustered_heads(
+    heads: list[dict[str, np.ndarray]],
+    balanced_heads: list[dict[str, np.ndarray]],
+    local_anchors: np.ndarray,
+    class_counts: np.ndarray,
+    settings: Clustering,
+) -> tuple[list[dict[str, np.ndarray]], ClassClusters]:
+    """FedCCFA's head step: cluster every class's balanced rows, merge the trained rows and the
+    anchors within each cluster; returns each client's merged head and the clusters."""
+    weight_key, bias_key = _head_keys(heads[0])
+
+    def rows(parts: list[dict[str, np.ndarray]]) -> np.ndarray:
+        return np.stack([head_rows(part[weight_key], part[bias_key]) for part in parts])
+
+    clusters = cluster_and_merge(
+        rows(balanced_heads), rows(heads), local_anchors, class_counts, settings.eps,
+        weights=settings.weights, clustered_anchors=settings.clustered_anchors,
+    )
+    merged = []
+    for row in clusters.heads:
+        weight, bias = rows_to_head(row)
+        merged.append({weight_key: weight, bias_key: bias})
+    return merged, clusters
+
+
+def _head_keys(head: dict[str, np.ndarray]) -> tuple[str, str]:
+    """(weight key, bias key) of a linear head: its (K, d) and its (K,) array."""
+    by_rank = {array.ndim: key for key, array in head.items()}
+    if len(head) != 2 or set(by_rank) != {1, 2}:
+        raise ValueError(f"a linear head has one (K, d) weight and one (K,) bias, got {sorted(head)}")
+    return by_rank[2], by_rank[1]
 
 
 def combine(
@@ -96,11 +141,14 @@ def aggregate_round(  # pylint: disable=too-many-arguments
     alpha_threshold: float = 1e-3,
     solver: str = "vectorized",
     method: Method = FEDPAC,
+    balanced_heads: list[dict[str, np.ndarray]] | None = None,
+    clustering: Clustering = Clustering(),
 ) -> RoundAggregate:
     """One server step of ``method``; for FedPAC: eq. 18, eq. 19, and every client's
-    collaboration QP + head mix. Inputs a method does not use may be ``None``."""
+    collaboration QP + head mix; for FedCCFA: eq. 18 and the clustered heads and anchors.
+    Inputs a method does not use may be ``None``."""
     centroids, mask = previous_centroids, previous_mask
-    if method.needs_centroids:
+    if method.alignment is Alignment.CENTROIDS:
         centroids, mask = aggregate_centroids(local_centroids, class_counts, previous_centroids, previous_mask)
     collaboration = None
     if method.head is Rule.MIX:
@@ -108,10 +156,19 @@ def aggregate_round(  # pylint: disable=too-many-arguments
     extractor = None
     if method.extractor is Rule.AVERAGE:
         extractor = weighted_average(extractors, num_examples)
+    clusters = None
+    if method.head is Rule.CLUSTER:
+        if balanced_heads is None or local_centroids is None or class_counts is None:
+            raise ValueError("clustered heads need the balanced heads, local anchors and class counts")
+        # the local class means are FedCCFA's local anchors a_k
+        new_heads, clusters = clustered_heads(heads, balanced_heads, local_centroids, class_counts, clustering)
+    else:
+        new_heads = combine(method.head, heads, num_examples, None if collaboration is None else collaboration.alpha)
     return RoundAggregate(
         extractor=extractor,
         centroids=centroids,
         centroid_mask=mask,
-        heads=combine(method.head, heads, num_examples, None if collaboration is None else collaboration.alpha),
+        heads=new_heads,
         collaboration=collaboration,
+        clusters=clusters,
     )

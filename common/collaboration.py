@@ -77,8 +77,8 @@ def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: 
     m = len(h)
     p = np.empty((m, m))
     for j in range(m):
-        for l in range(m):
-            p[j, l] = np.sum((h[i] - h[j]) * (h[i] - h[l]))
+        for k in range(m):
+            p[j, k] = np.sum((h[i] - h[j]) * (h[i] - h[k]))
         p[j, j] += v[j] / n[j]
     return p
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from common.clustering import WEIGHTS
+from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift
 from common.methods import METHODS
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
-PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "pathological")
+PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "dirichlet-min", "pathological")
 DEVICES = ("auto", "cpu", "cuda")
 QP_SOLVERS = ("vectorized", "cvxpy")
 
@@ -59,6 +61,19 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # the classifier keys with the baselines' step size; the paper gives no epoch count, so one
     # local epoch.
     finetune_epochs: int = 1
+    # FedCCFA (Chen et al., NeurIPS 2024; the authors' configs/FedCCFA.yaml). The shared keys
+    # (batch-size 64, momentum 0.9, weight-decay 1e-5, head-lr 0.1 and head-epochs 1 for the
+    # personal head, extractor-lr 0.01 and local-epochs 5 for the extractor) are set by the run.
+    balanced_epochs: int = 5  # epochs of the balanced head (for clustering), from phi^0
+    balanced_lr: float = 0.1
+    balanced_samples_per_class: int = 5  # m = min(this, the smallest count of a present class)
+    cluster_eps: float = 0.1  # DBSCAN radius on the MADD distance
+    cluster_weights: str = "uniform"  # how cluster members are averaged: uniform or label (n_jc)
+    clustered_anchors: bool = True  # False: one set of anchors, the mean over the round's replies
+    align_gamma: float = 20.0  # alignment weight H(P_k(Y)) / gamma; 0 = the fixed align-lambda
+    align_lambda: float = 0.0
+    align_temperature: float = 0.1  # tau of the contrastive alignment
+    align_from_round: int = 21  # the code aligns from its 0-based round 20, our round 21
     # Classifier collaboration
     alpha_threshold: float = 1e-3
     qp_solver: str = "vectorized"
@@ -75,6 +90,19 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     test_samples_per_client: int = 200
     dirichlet_alpha: float = 0.5
     pathological_classes: int = 2
+    # dirichlet-min (FedCCFA's partition): these many samples of every class go to every client
+    # first (train and test), the rest of each class by Dirichlet(dirichlet-alpha); the whole
+    # training and test sets are distributed.
+    min_train_per_class: int = 5
+    min_test_per_class: int = 2
+    # Distributed concept drift (``common.drift``): label swaps by partition-id mod 10 from the
+    # given rounds (1-based: a drift at 100 changes the labels seen from round 101 on). Empty
+    # drift-rounds = the paper's: sudden 100, recurrent 100,150, incremental 100,110,120.
+    drift: str = "none"
+    drift_rounds: str = ""
+    # Generalized accuracy (the full test set, relabelled with the client's current concept)
+    # every N rounds and at the last round; 0 = only at the last round.
+    generalized_every: int = 0
     # Input normalization, one per run so every client's features live on one scale: per-channel
     # values ("0.5" or "0.49,0.48,0.45"); empty = the dataset's constants (``common.data``).
     normalize_mean: str = ""
@@ -180,10 +208,50 @@ def _validate(cfg: FedPACConfig) -> None:
                + (" > 0" if name == "normalize_std" else ""))
     _check(bool(cfg.normalize_mean.strip()) == bool(cfg.normalize_std.strip()), k("normalize_std"),
            cfg.normalize_std, "set together with normalize-mean (both or neither)")
+    for name in ("balanced_epochs", "balanced_samples_per_class", "align_from_round", "generalized_every",
+                 "min_train_per_class", "min_test_per_class"):
+        value = getattr(cfg, name)
+        _check(value >= 0, k(name), value, ">= 0")
+    for name in ("balanced_lr", "align_temperature"):
+        value = getattr(cfg, name)
+        _check(value > 0, k(name), value, "> 0")
+    for name in ("cluster_eps", "align_gamma", "align_lambda"):
+        value = getattr(cfg, name)
+        _check(value >= 0, k(name), value, ">= 0")
+    _check(cfg.cluster_weights in WEIGHTS, k("cluster_weights"), cfg.cluster_weights,
+           f"one of {', '.join(WEIGHTS)}")
+    _check(cfg.drift in DRIFT_PATTERNS, k("drift"), cfg.drift, f"one of {', '.join(DRIFT_PATTERNS)}")
+    _check(_drift_rounds(cfg.drift_rounds) is not None, k("drift_rounds"), cfg.drift_rounds,
+           "empty or comma-separated round numbers >= 0")
+    try:
+        Drift(cfg.drift, _drift_rounds(cfg.drift_rounds) or ())
+    except ValueError as err:
+        raise ConfigError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid: {err}") from err
+    _check(cfg.drift == "none" or cfg.num_classes >= MIN_CLASSES, k("drift"), cfg.drift,
+           f"'none' for fewer than {MIN_CLASSES} classes (the drift swaps labels up to {MIN_CLASSES - 1})")
     _check(cfg.save_model_every >= 0, k("save_model_every"), cfg.save_model_every, ">= 0")
     _check(cfg.seed >= 0, k("seed"), cfg.seed, ">= 0")
     _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
+
+
+def _drift_rounds(text: str) -> tuple[int, ...] | None:
+    """``()`` for an empty string, the rounds in order, or None when malformed."""
+    if not text.strip():
+        return ()
+    try:
+        rounds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        return None
+    return rounds if all(r >= 0 for r in rounds) else None
+
+
+def configured_drift_rounds(cfg: FedPACConfig) -> tuple[int, ...]:
+    """The run's ``drift-rounds`` (empty: the pattern's defaults apply, ``common.drift``)."""
+    rounds = _drift_rounds(cfg.drift_rounds)
+    if rounds is None:
+        raise ConfigError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid")
+    return rounds
 
 
 def _channel_values(text: str, channels: int, positive: bool = False) -> tuple[float, ...] | None:

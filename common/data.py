@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import importlib.resources
+import zipfile
+import zlib
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -129,19 +131,77 @@ def load_embedded_mnist() -> ImageDataset:
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Read one IDX file (optionally gzipped): the format of MNIST and Fashion-MNIST."""
+    """Read one IDX file (optionally gzipped): the format of MNIST and Fashion-MNIST.
+
+    An unreadable, empty, truncated or non-unsigned-byte file raises :class:`DataError` naming it.
+    """
+    path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as stream:
-        raw = stream.read()
+    try:
+        with opener(path, "rb") as stream:
+            raw = stream.read()
+    except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot read it ({_reason(err)})") from err
+    if not raw:
+        raise DataError(f"{path}: the file is empty (expected an IDX file)")
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise DataError(f"{path} is not an unsigned-byte IDX file")
+        kind = f" (type code 0x{raw[2]:02x})" if len(raw) >= 4 and raw[:2] == b"\0\0" else ""
+        raise DataError(f"{path} is not an unsigned-byte IDX file{kind}: expected the header 00 00 08 <ndim>")
     ndim = raw[3]
     header_end = 4 + 4 * ndim
+    if ndim == 0:
+        raise DataError(f"{path}: the IDX header declares 0 dimensions")
+    if len(raw) < header_end:
+        raise DataError(f"{path}: truncated IDX header ({len(raw)} bytes, {ndim} dimensions need {header_end})")
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     data = np.frombuffer(raw, dtype=np.uint8, offset=header_end)
     if data.size != int(np.prod(shape)):
         raise DataError(f"{path}: header says {shape} but the file holds {data.size} bytes")
     return data.reshape(shape)
+
+
+def _reason(err: BaseException) -> str:
+    """An exception as a short reason: its type and message (strerror for OS errors)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _checked_split(  # pylint: disable=too-many-arguments
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int | None,
+    images_source: object,
+    labels_source: object | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``images`` as uint8 NHWC and ``labels`` as int64 after checking shape, dtype, length and
+    label range; a DataError names the file (``images_source``/``labels_source``) at fault."""
+    labels_source = images_source if labels_source is None else labels_source
+    if images.dtype != np.uint8:
+        raise DataError(f"{images_source}: images must be uint8 (0..255), got {images.dtype}")
+    if images.ndim not in (3, 4):
+        raise DataError(f"{images_source}: images must be an array of shape (N, H, W) or (N, H, W, C), "
+                        f"got shape {images.shape}")
+    if images.ndim == 3:
+        images = images[..., None]
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{labels_source}: labels must be integers (class indices), got {labels.dtype}")
+    if labels.ndim != 1:
+        raise DataError(f"{labels_source}: labels must be a 1-D array (one class index per image), "
+                        f"got shape {labels.shape}")
+    if len(images) == 0:
+        raise DataError(f"{images_source}: no images (the train and test splits must not be empty)")
+    if 0 in images.shape[1:]:
+        raise DataError(f"{images_source}: images have an empty dimension, shape {images.shape}")
+    if len(images) != len(labels):
+        where = images_source if labels_source == images_source else f"{images_source} and {labels_source}"
+        raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or (num_classes is not None and high >= num_classes):
+        bound = "" if num_classes is None else f", num-classes {num_classes}"
+        upper = "" if num_classes is None else str(num_classes)
+        raise DataError(f"{labels_source}: labels outside [0, {upper}){bound}: found labels {low}..{high}")
+    return images, labels.astype(np.int64)
 
 
 def _find_idx(directory: Path, stem: str) -> Path:
@@ -151,20 +211,34 @@ def _find_idx(directory: Path, stem: str) -> Path:
     raise DataError(f"{directory}: missing {stem}[.gz]")
 
 
-def load_idx_dataset(name: str, directory: str | Path) -> ImageDataset:
-    """MNIST-style IDX files in ``directory`` (train-/t10k- images and labels, .gz or raw)."""
+def _load_idx_split(directory: Path, split: str, num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """One split ("train" or "test") of the IDX files in ``directory``, checked."""
+    images_path = _find_idx(directory, _IDX_FILES[f"{split}_images"])
+    labels_path = _find_idx(directory, _IDX_FILES[f"{split}_labels"])
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3:
+        raise DataError(f"{images_path}: an IDX image file must have 3 dimensions (N, H, W), got {images.shape}")
+    return _checked_split(images, labels, num_classes, images_path, labels_path)
+
+
+def load_idx_dataset(name: str, directory: str | Path, num_classes: int | None = None) -> ImageDataset:
+    """MNIST-style IDX files in ``directory`` (train-/t10k- images and labels, .gz or raw).
+
+    ``num_classes``: the number of classes (labels must be below it); None: one more than the
+    largest training label.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"dataset '{name}': data directory {directory} does not exist")
-    arrays = {key: read_idx(_find_idx(directory, stem)) for key, stem in _IDX_FILES.items()}
-    return ImageDataset(
-        name=name,
-        train_images=arrays["train_images"][..., None],
-        train_labels=arrays["train_labels"].astype(np.int64),
-        test_images=arrays["test_images"][..., None],
-        test_labels=arrays["test_labels"].astype(np.int64),
-        num_classes=int(arrays["train_labels"].max()) + 1,
-    )
+    train = _load_idx_split(directory, "train", num_classes)
+    test = _load_idx_split(directory, "test", num_classes)
+    if num_classes is None:
+        num_classes = int(train[1].max()) + 1
+        if test[1].max() >= num_classes:
+            labels_path = _find_idx(directory, _IDX_FILES["test_labels"])
+            raise DataError(f"{labels_path}: test label {int(test[1].max())} is not among the training "
+                            f"labels 0..{num_classes - 1}")
+    return ImageDataset(name, *train, *test, num_classes=num_classes)
 
 
 def _first_column(columns: list[str], candidates: tuple[str, ...], what: str) -> str:
@@ -227,52 +301,94 @@ def _load_cached(dataset: str, data_dir: str, hf_repo: str) -> ImageDataset:
     return load_hf_dataset(hf_repo, data_dir)
 
 
-def _load_npz_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(path, allow_pickle=False) as arrays:
-        image_key = _first_column(list(arrays.files), ("x", "images", "image"), f"image array in {path}")
-        label_key = _first_column(list(arrays.files), ("y", "labels", "label"), f"label array in {path}")
-        images, labels = arrays[image_key], arrays[label_key]
-    if images.dtype != np.uint8:
-        raise DataError(f"{path}: images must be uint8 (0..255), got {images.dtype}")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(f"{path}: labels must be integers, got {labels.dtype}")
-    return (images[..., None] if images.ndim == 3 else images), labels.astype(np.int64)
+def _load_npz_split(path: Path, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of one ``.npz`` split; a DataError names ``path`` and what is wrong."""
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: a client data folder with train.npz needs test.npz too")
+    try:
+        with open(path, "rb") as stream:
+            magic = stream.read(6)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({_reason(err)})") from err
+    if not magic:
+        raise DataError(f"{path}: the file is empty (expected an .npz archive of images and labels)")
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+        raise DataError(f"{path}: not an .npz archive (no zip header; write it with numpy.savez)")
+    try:
+        arrays = np.load(path, allow_pickle=False)
+        if not isinstance(arrays, np.lib.npyio.NpzFile):
+            raise DataError(f"{path}: a single array (.npy), not an .npz archive of images and labels")
+        with arrays:
+            image_key = _first_column(list(arrays.files), ("x", "images", "image"), f"image array in {path}")
+            label_key = _first_column(list(arrays.files), ("y", "labels", "label"), f"label array in {path}")
+            images, labels = arrays[image_key], arrays[label_key]
+    except DataError:
+        raise
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+        raise DataError(f"{path}: a corrupt or truncated .npz archive ({_reason(err)})") from err
+    return _checked_split(images, labels, num_classes, path)
 
 
-def _load_image_folder(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+def _load_image_folder(directory: Path, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     from PIL import Image  # pylint: disable=import-outside-toplevel  # comes with torchvision
 
-    images, labels = [], []
+    if not directory.is_dir():
+        raise DataError(f"{directory} does not exist: a client data folder with train/ image folders "
+                        "needs test/ too")
+    images, labels, files = [], [], []
     for class_dir in sorted(d for d in directory.iterdir() if d.is_dir()):
         if not class_dir.name.isdigit():
             raise DataError(f"{class_dir}: class folders must be named by the class index (0, 1, ...)")
+        label = int(class_dir.name)
+        if num_classes is not None and label >= num_classes:
+            raise DataError(f"{class_dir}: class {label} is outside [0, {num_classes}), num-classes {num_classes}")
         for file in sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES):
-            with Image.open(file) as image:
-                images.append(np.asarray(image, dtype=np.uint8))
-            labels.append(int(class_dir.name))
+            images.append(_read_image(file, Image))
+            labels.append(label)
+            files.append(file)
     if not images:
         raise DataError(f"{directory}: no {'/'.join(IMAGE_SUFFIXES)} images in class folders")
-    if len({image.shape for image in images}) > 1:
-        raise DataError(f"{directory}: images have different sizes")
+    for file, image in zip(files, images):
+        if image.shape != images[0].shape:
+            raise DataError(f"{file}: image of shape {image.shape} but {files[0]} has {images[0].shape}: "
+                            "every image must have the same size and channels")
     stacked = np.stack(images)
-    return (stacked[..., None] if stacked.ndim == 3 else stacked), np.asarray(labels, dtype=np.int64)
+    return _checked_split(stacked, np.asarray(labels, dtype=np.int64), num_classes, directory)
+
+
+def _read_image(file: Path, image_module) -> np.ndarray:  # noqa: ANN001
+    """One image file as a uint8 HW or HWC array (8-bit grayscale or RGB only)."""
+    try:
+        with image_module.open(file) as image:
+            mode = image.mode
+            if mode == "1":  # black and white: 0 and 255
+                image = image.convert("L")
+            elif mode not in ("L", "RGB"):
+                raise DataError(f"{file}: {mode} image; save it as 8-bit grayscale (L) or RGB")
+            return np.asarray(image, dtype=np.uint8)
+    except DataError:
+        raise
+    except (OSError, EOFError, ValueError, SyntaxError) as err:  # PIL.UnidentifiedImageError: OSError
+        raise DataError(f"{file}: not a readable image ({_reason(err)})") from err
 
 
 def load_client_directory(directory: str | Path, num_classes: int) -> ImageDataset:
     """A deployed client's own data: ``directory`` holds its train and test split as
     ``train.npz``/``test.npz`` (arrays ``x`` uint8 NHW[C], ``y`` labels), MNIST-style IDX files, or
     image folders ``train/<class>/*.png`` and ``test/<class>/*.png``.
+
+    Unreadable, corrupt or empty files, wrong shapes or dtypes, and labels outside
+    ``[0, num_classes)`` raise :class:`DataError` naming the file and what is wrong.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"client data directory {directory} does not exist")
     if (directory / "train.npz").is_file():
-        train, test = (_load_npz_split(directory / f"{split}.npz") for split in ("train", "test"))
+        train, test = (_load_npz_split(directory / f"{split}.npz", num_classes) for split in ("train", "test"))
     elif (directory / "train").is_dir():
-        train, test = (_load_image_folder(directory / split) for split in ("train", "test"))
+        train, test = (_load_image_folder(directory / split, num_classes) for split in ("train", "test"))
     elif any(directory.glob(f"{_IDX_FILES['train_images']}*")):
-        data = load_idx_dataset(str(directory), directory)
-        train, test = (data.train_images, data.train_labels), (data.test_images, data.test_labels)
+        train, test = (_load_idx_split(directory, split, num_classes) for split in ("train", "test"))
     else:
         raise DataError(
             f"client data directory {directory} holds none of: train.npz + test.npz, "

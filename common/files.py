@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
@@ -12,7 +13,8 @@ import numpy as np
 def atomic_write(path: Path, data: bytes) -> None:
     """Write, flush to disk, then rename: readers see the old file or the new one, never half.
 
-    A failed write (a full disk, say) leaves no temporary file behind and names the file.
+    Any failure (a full disk, say, or an interrupt) removes the temporary file; an OSError is
+    raised again with the same errno and a message naming ``path`` and the bytes it tried to write.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -22,9 +24,15 @@ def atomic_write(path: Path, data: bytes) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, f"could not write {path} ({len(data):,} bytes): {err.strerror}") from err
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not isinstance(err, OSError):
+            raise
+        message = f"could not write {path} ({len(data):,} bytes): {err.strerror or err}"
+        if err.errno is None:
+            raise OSError(message) from err
+        raise OSError(err.errno, message) from err
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

@@ -1,18 +1,24 @@
-"""FedPAC and its baselines, each described by what it shares, not by a copy of the strategy.
+"""Every method of the product, each described by what it shares, not by a copy of the strategy.
 
-Every method in the paper's comparison (Table 1) and ablation (Table 2) trains the same split
-model (feature extractor theta + linear head phi) on the same data and differs only in
+FedPAC, its baselines (Table 1) and ablations (Table 2), and FedCCFA (Chen et al., NeurIPS
+2024) all train the same split model (feature extractor theta + linear head phi) on the same
+data and differ only in
 
 * what the server does with each part of the model after a round (:class:`Rule`): average it
-  over the clients by sample count (eq. 18), mix the heads with the collaboration QP (eq. 11),
-  or keep every client's own part (stored on the server by partition-id);
-* whether local training pulls features towards the global class centroids (feature
-  alignment, eq. 3), which is what makes clients compute and send centroids;
+  over the clients by sample count (eq. 18), mix the heads with the collaboration QP (FedPAC
+  eq. 11), merge them class by class within clusters of clients (FedCCFA), or keep every
+  client's own part (stored on the server by partition-id);
+* which features local training aligns, and to what (:class:`Alignment`): the global class
+  centroids (FedPAC eq. 3) or the client's cluster anchors (FedCCFA); either way clients send
+  their class means back;
 * the local training routine (:class:`Routine`);
 * whether a client fine-tunes its head before each evaluation (FedAvg-FT).
 
-The server (``server_app.strategy``) and the client (``client_app.train``) read these flags;
-no method has a strategy or a training loop of its own.
+Where each piece lives: the server rules in ``common.aggregation`` (with the QP in
+``common.collaboration`` and the class-level clustering in ``common.clustering``), the routines
+and alignment losses in ``client_app.train``. The Flower glue (``server_app.strategy``,
+``client_app.app``) reads only these flags; no method has a strategy or a training loop of its
+own, and no glue names a method.
 """
 
 from __future__ import annotations
@@ -27,6 +33,17 @@ class Rule(str, Enum):
     AVERAGE = "average"  # one global copy: the sample-weighted mean of the replies (eq. 18)
     MIX = "mix"  # per client: sum_j alpha_ij phi_j, alpha_i from the collaboration QP (eq. 11)
     LOCAL = "local"  # per client: its own trained copy, kept on the server by partition-id
+    # per client, class by class: the mean of the trained rows phi_j[c] of the clients j whose
+    # balanced heads cluster with it for class c (FedCCFA)
+    CLUSTER = "cluster"
+
+
+class Alignment(str, Enum):
+    """What local extractor training pulls each sample's features towards."""
+
+    NONE = "none"
+    CENTROIDS = "centroids"  # FedPAC eq. 3: squared distance to the global class centroid
+    ANCHORS = "anchors"  # FedCCFA: contrastive, to the anchors of the client's class clusters
 
 
 class Routine(str, Enum):
@@ -35,6 +52,9 @@ class Routine(str, Enum):
     ALTERNATING = "alternating"  # FedPAC: head epoch(s) on frozen features, then extractor epochs
     JOINT = "joint"  # FedAvg, FedPer, Local-only: the whole model, E epochs
     REPRESENTATION = "representation"  # FedRep: many head epochs, then extractor epochs
+    # FedCCFA: a balanced-batch head from the fixed initial head phi^0 (only for the server's
+    # clustering), the personal head, then extractor epochs
+    CLUSTERED = "clustered"
 
 
 @dataclass(frozen=True)
@@ -44,16 +64,20 @@ class Method:
     name: str
     extractor: Rule
     head: Rule
-    alignment: bool  # feature alignment to the global centroids (eq. 3) in local training
+    alignment: Alignment
     routine: Routine
     finetune_before_evaluation: bool = False
 
     def __post_init__(self) -> None:
-        if self.head is Rule.MIX and self.extractor is not Rule.AVERAGE:
-            # the QP's statistics compare features of one shared extractor
-            raise ValueError(f"{self.name}: head mixing needs an averaged extractor")
-        if self.alignment and self.extractor is not Rule.AVERAGE:
+        if self.head in (Rule.MIX, Rule.CLUSTER) and self.extractor is not Rule.AVERAGE:
+            # the QP's statistics and the clustered heads compare features of one shared extractor
+            raise ValueError(f"{self.name}: head {self.head.value} needs an averaged extractor")
+        if self.alignment is not Alignment.NONE and self.extractor is not Rule.AVERAGE:
             raise ValueError(f"{self.name}: feature alignment needs an averaged extractor")
+        if (self.alignment is Alignment.ANCHORS) != (self.head is Rule.CLUSTER):
+            raise ValueError(f"{self.name}: anchors come from, and only from, clustered heads")
+        if (self.routine is Routine.CLUSTERED) != (self.head is Rule.CLUSTER):
+            raise ValueError(f"{self.name}: clustered heads need the balanced heads of the clustered routine")
 
     @property
     def needs_statistics(self) -> bool:
@@ -62,8 +86,25 @@ class Method:
 
     @property
     def needs_centroids(self) -> bool:
-        """Global centroids down and local centroids up: only with feature alignment."""
-        return self.alignment
+        """Alignment targets down (global centroids or the client's anchors) and local class
+        means up: only with feature alignment."""
+        return self.alignment is not Alignment.NONE
+
+    @property
+    def sends_balanced_head(self) -> bool:
+        """The balanced-batch head travels up beside the trained one: the clustering input."""
+        return self.head is Rule.CLUSTER
+
+    @property
+    def needs_initial_head(self) -> bool:
+        """The fixed initial head phi^0 travels down: the clustered routine's balanced head
+        starts from it every round."""
+        return self.routine is Routine.CLUSTERED
+
+    @property
+    def personal_heads(self) -> bool:
+        """Whether the server keeps a head per client (everything but an averaged head)."""
+        return self.head is not Rule.AVERAGE
 
     @property
     def sends_class_counts(self) -> bool:
@@ -76,7 +117,8 @@ class Method:
         return self.head is Rule.MIX
 
 
-FEDPAC = Method("fedpac", Rule.AVERAGE, Rule.MIX, alignment=True, routine=Routine.ALTERNATING)
+FEDPAC = Method("fedpac", Rule.AVERAGE, Rule.MIX, Alignment.CENTROIDS, Routine.ALTERNATING)
+NO = Alignment.NONE
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -85,18 +127,19 @@ METHODS: dict[str, Method] = {
         # Table 2's ablations: the FedPAC routine with one or both of its components switched off.
         # Neither: the alternating routine alone, every client keeps its own head (the column
         # "None", which is FedPer trained head-then-extractor).
-        Method("fedpac-none", Rule.AVERAGE, Rule.LOCAL, alignment=False, routine=Routine.ALTERNATING),
+        Method("fedpac-none", Rule.AVERAGE, Rule.LOCAL, NO, Routine.ALTERNATING),
         # Alignment only: no classifier collaboration, every client keeps its own head
         # (alpha = identity).
-        Method("fedpac-align", Rule.AVERAGE, Rule.LOCAL, alignment=True, routine=Routine.ALTERNATING),
+        Method("fedpac-align", Rule.AVERAGE, Rule.LOCAL, Alignment.CENTROIDS, Routine.ALTERNATING),
         # Collaboration only: lambda = 0 (no centroids at all), heads mixed by the QP.
-        Method("fedpac-collab", Rule.AVERAGE, Rule.MIX, alignment=False, routine=Routine.ALTERNATING),
+        Method("fedpac-collab", Rule.AVERAGE, Rule.MIX, NO, Routine.ALTERNATING),
         # Table 1's baselines.
-        Method("local", Rule.LOCAL, Rule.LOCAL, alignment=False, routine=Routine.JOINT),
-        Method("fedavg", Rule.AVERAGE, Rule.AVERAGE, alignment=False, routine=Routine.JOINT),
-        Method("fedavg-ft", Rule.AVERAGE, Rule.AVERAGE, alignment=False, routine=Routine.JOINT,
-               finetune_before_evaluation=True),
-        Method("fedper", Rule.AVERAGE, Rule.LOCAL, alignment=False, routine=Routine.JOINT),
-        Method("fedrep", Rule.AVERAGE, Rule.LOCAL, alignment=False, routine=Routine.REPRESENTATION),
+        Method("local", Rule.LOCAL, Rule.LOCAL, NO, Routine.JOINT),
+        Method("fedavg", Rule.AVERAGE, Rule.AVERAGE, NO, Routine.JOINT),
+        Method("fedavg-ft", Rule.AVERAGE, Rule.AVERAGE, NO, Routine.JOINT, finetune_before_evaluation=True),
+        Method("fedper", Rule.AVERAGE, Rule.LOCAL, NO, Routine.JOINT),
+        Method("fedrep", Rule.AVERAGE, Rule.LOCAL, NO, Routine.REPRESENTATION),
+        # FedCCFA: classifier clustering and feature alignment under distributed concept drift.
+        Method("fedccfa", Rule.AVERAGE, Rule.CLUSTER, Alignment.ANCHORS, Routine.CLUSTERED),
     )
 }

@@ -3,7 +3,9 @@
 All partitioners are flwr-datasets ``Partitioner`` subclasses over a ``datasets.Dataset`` with a
 ``label`` column (images stay in numpy; the partitioner only chooses indices, carried in an
 ``index`` column). A client's test split is drawn from the dataset's test pool with the same
-label proportions as its training partition, whichever partitioner made that partition.
+label proportions as its training partition, whichever partitioner made that partition, except
+under FedCCFA's ``dirichlet-min`` scheme (:class:`MinimumDirichletPartitioner`), which partitions
+the whole test pool with the same per-class Dirichlet proportions as the training set.
 """
 
 from __future__ import annotations
@@ -176,6 +178,97 @@ class ConceptShiftPartitioner(Partitioner):
         return part.remove_columns("label").add_column("label", relabeled)
 
 
+class MinimumDirichletPartitioner(Partitioner):
+    """FedCCFA's partition (``utils/gen_dataset.py``): a minimum of every class, then Dirichlet.
+
+    For each class c, the class's indices are shuffled (generator seeded from (seed, c)); the
+    first ``min_per_class * N`` go ``min_per_class`` to each of the N clients, the rest by
+    proportions drawn from Dirichlet(alpha) over the clients, with integer counts by largest
+    remainder so the whole class is distributed. Every client holds at least ``min_per_class``
+    samples of every class and every sample goes to exactly one client.
+
+    The Dirichlet draw depends only on (seed, c, N, alpha), on a generator of its own, so a
+    partitioner over the test pool with the same seed gives every client the same class
+    proportions as its training partition (as the official code, which reseeds numpy with
+    seed + c for both). Unlike the official code, the minimum samples are drawn from a shuffled
+    class (not the dataset's first ones) and the remainder is rounded by largest remainder.
+    """
+
+    def __init__(  # pylint: disable=too-many-arguments
+        self,
+        num_partitions: int,
+        num_classes: int,
+        alpha: float,
+        min_per_class: int = 5,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+        if not alpha > 0:
+            raise ValueError(f"the Dirichlet alpha must be > 0, got {alpha}")
+        if min_per_class < 0:
+            raise ValueError(f"min_per_class must be >= 0, got {min_per_class}")
+        self._num_partitions = num_partitions
+        self.num_classes = num_classes
+        self.alpha = alpha
+        self.min_per_class = min_per_class
+        self.seed = seed
+        self._indices: list[np.ndarray] | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        return self._num_partitions
+
+    def class_proportions(self, class_id: int) -> np.ndarray:
+        """The Dirichlet(alpha) shares of the clients in the remainder of ``class_id``."""
+        rng = np.random.default_rng([self.seed, class_id, 1])
+        return rng.dirichlet(np.full(self.num_partitions, float(self.alpha)))
+
+    def class_counts(self, class_id: int, class_size: int) -> np.ndarray:
+        """How many of ``class_size`` samples of ``class_id`` each client receives."""
+        minimum = self.min_per_class * self.num_partitions
+        if class_size < minimum:
+            raise DataError(
+                f"class {class_id} has {class_size} samples, fewer than the {minimum} needed to "
+                f"give each of the {self.num_partitions} clients {self.min_per_class}: lower the "
+                "minimum per class or the number of clients"
+            )
+        rest = proportional_counts(self.class_proportions(class_id), class_size - minimum)
+        return rest + self.min_per_class
+
+    def _partition_indices(self) -> list[np.ndarray]:
+        if self._indices is None:
+            labels = np.asarray(self.dataset["label"])
+            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+                raise DataError(f"labels outside [0, {self.num_classes})")
+            per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
+            for c in range(self.num_classes):
+                rows = np.random.default_rng([self.seed, c, 0]).permutation(
+                    np.flatnonzero(labels == c)
+                )
+                counts = self.class_counts(c, len(rows))
+                # the minimum first, evenly, then each client's share of the rest
+                head, tail = np.split(rows, [self.min_per_class * self.num_partitions])
+                mins = head.reshape(self.num_partitions, self.min_per_class)
+                rest = np.split(tail, np.cumsum(counts - self.min_per_class)[:-1])
+                for pid in range(self.num_partitions):
+                    per_client[pid].extend((mins[pid], rest[pid]))
+            self._indices = [
+                np.sort(np.concatenate(parts)).astype(np.int64) for parts in per_client
+            ]
+        return self._indices
+
+    def partition_rows(self, partition_id: int) -> np.ndarray:
+        """The dataset rows of one partition (ascending)."""
+        if not 0 <= partition_id < self.num_partitions:
+            raise ValueError(f"partition-id {partition_id} outside [0, {self.num_partitions})")
+        return self._partition_indices()[partition_id]
+
+    def load_partition(self, partition_id: int) -> Dataset:
+        return self.dataset.select(self.partition_rows(partition_id))
+
+
 @dataclass(frozen=True)
 class ClientSplit:
     """Indices into the dataset's train and test pools, and labels after any relabeling."""
@@ -195,6 +288,10 @@ def build_partitioner(cfg: FedPACConfig, num_partitions: int) -> Partitioner:
         if cfg.partition == "fedpac":
             return base
         return ConceptShiftPartitioner(base, cfg.num_classes, len(base.groups), cfg.seed)
+    if cfg.partition == "dirichlet-min":
+        return MinimumDirichletPartitioner(
+            num_partitions, cfg.num_classes, cfg.dirichlet_alpha, cfg.min_train_per_class, cfg.seed
+        )
     if cfg.partition == "dirichlet":
         return DirichletPartitioner(
             num_partitions, "label", cfg.dirichlet_alpha, self_balancing=True, seed=cfg.seed
@@ -206,14 +303,28 @@ def build_partitioner(cfg: FedPACConfig, num_partitions: int) -> Partitioner:
 
 
 def split_clients(
-    data: ImageDataset, partitioner: Partitioner, test_samples_per_client: int, seed: int
+    data: ImageDataset,
+    partitioner: Partitioner,
+    test_samples_per_client: int,
+    seed: int,
+    min_test_per_class: int = 2,
 ) -> list[ClientSplit]:
     """Every client's train partition and a test split with the same label distribution.
 
     Test samples come from the dataset's test pool, drawn per class in the proportions of the
     client's *original* training labels, so concept shift relabels test data the same way.
+    Under a :class:`MinimumDirichletPartitioner` the whole test pool is partitioned instead, by
+    the same scheme and seed with ``min_test_per_class`` of every class per client (so the
+    Dirichlet shares match the training partition's); ``test_samples_per_client`` is then unused.
     """
     partitioner.dataset = _labels_dataset(data.train_labels)
+    test_partitioner = None
+    if isinstance(partitioner, MinimumDirichletPartitioner):
+        test_partitioner = MinimumDirichletPartitioner(
+            partitioner.num_partitions, partitioner.num_classes, partitioner.alpha,
+            min_test_per_class, partitioner.seed,
+        )
+        test_partitioner.dataset = _labels_dataset(data.test_labels)
     pools = ClassPools(data.test_labels, data.num_classes, np.random.default_rng([seed, 2]))
     splits = []
     for pid in range(partitioner.num_partitions):
@@ -221,12 +332,18 @@ def split_clients(
         train_indices = np.asarray(part["index"], dtype=np.int64)
         if len(train_indices) == 0:
             raise DataError(f"partition {pid} is empty: fewer samples than clients need")
-        original = data.train_labels[train_indices]
-        counts = proportional_counts(np.bincount(original, minlength=data.num_classes),
-                                     test_samples_per_client)
-        test_indices = np.concatenate(
-            [pools.take(k, int(c)) for k, c in enumerate(counts) if c > 0]
-        )
+        if test_partitioner is not None:
+            try:
+                test_indices = test_partitioner.partition_rows(pid)
+            except DataError as err:
+                raise DataError(f"test pool: {err}") from err
+        else:
+            original = data.train_labels[train_indices]
+            counts = proportional_counts(np.bincount(original, minlength=data.num_classes),
+                                         test_samples_per_client)
+            test_indices = np.concatenate(
+                [pools.take(k, int(c)) for k, c in enumerate(counts) if c > 0]
+            )
         test_labels = data.test_labels[test_indices]
         if isinstance(partitioner, ConceptShiftPartitioner):
             test_labels = partitioner.relabel(pid, test_labels)
@@ -247,7 +364,11 @@ def _cached_splits(cfg: FedPACConfig, num_partitions: int) -> tuple[ClientSplit,
 
     data = load_dataset(cfg)
     partitioner = build_partitioner(cfg, num_partitions)
-    return tuple(split_clients(data, partitioner, cfg.test_samples_per_client, cfg.seed))
+    return tuple(
+        split_clients(
+            data, partitioner, cfg.test_samples_per_client, cfg.seed, cfg.min_test_per_class
+        )
+    )
 
 
 def client_split(cfg: FedPACConfig, partition_id: int, num_partitions: int) -> ClientSplit:

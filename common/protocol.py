@@ -1,10 +1,14 @@
 """What crosses the network each round: record keys and (de)serialization, shared by both sides.
 
 Server -> client (train and evaluate): ``arrays`` (global extractor + the client's personalized
-head), ``centroids`` (train only: global class centroids and their mask), ``config``.
+head), ``centroids`` (train only: the alignment targets and their mask: global class centroids,
+or FedCCFA's anchors of this client), ``initial-head`` (train only, FedCCFA: the fixed phi^0 its
+balanced head starts from), ``config`` (the server round; FedCCFA: whether the server holds a
+personal head for this client).
 Client -> server (train): ``arrays`` (trained extractor + head), ``statistics`` (local centroids,
-class counts, h) and ``metrics`` (partition-id, num-examples, v, losses).
-Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss).
+class counts, h; FedCCFA's balanced head) and ``metrics`` (partition-id, num-examples, v, losses).
+Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss, and the
+generalized accuracy in the rounds it is measured).
 
 Baselines (``common.methods``) send only what their server step uses: ``centroids`` down and
 local centroids up only with feature alignment, h and v only with classifier collaboration,
@@ -32,6 +36,7 @@ CENTROIDS = "centroids"
 STATISTICS = "statistics"
 METRICS = "metrics"
 CONFIG = "config"
+INITIAL_HEAD = "initial-head"
 PACKED = "npz"  # the one Array of a packed record
 
 # Keys inside the records.
@@ -43,6 +48,12 @@ PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
 V = "v"
 SERVER_ROUND = "server-round"
+HAS_PERSONAL_HEAD = "has-personal-head"
+HEAD_WEIGHT = "head.weight"  # the head's keys in ``arrays`` (common.model's head.*)
+HEAD_BIAS = "head.bias"
+BALANCED_WEIGHT = "balanced-head.weight"
+BALANCED_BIAS = "balanced-head.bias"
+GENERALIZED_ACCURACY = "generalized-accuracy"
 
 NDArrays = dict[str, np.ndarray]
 

@@ -15,68 +15,215 @@
 #       FEDERATION names in $FLWR_HOME/config.toml: only registered SuperNodes may connect.
 #
 # Existing files are kept (re-running adds what is missing), so a CA is never replaced by
-# accident. Private keys are readable by their owner only: --owner 49999:49999 (as root) hands
+# accident; ca.key is needed only to sign a server certificate, so with it offline a re-run can
+# still add SuperNode keys. superlink.crt is re-issued (a new superlink.key too, signed by ca.key)
+# when it is missing, unreadable, expired, not signed by ca.crt or not matching superlink.key, and
+# when --san is given and the certificate's SANs differ from the defaults plus every --san (the
+# certificate then has exactly those). Without --san an existing certificate keeps its SANs.
+# Nothing is half-written: files are made in a temporary folder and moved into place on success.
+# Private keys are readable by their owner only: --owner 49999:49999 (as root) hands
 # the SuperLink and SuperNode keys to the user the FedPAC images run as, for docker compose.
 # Copy each SuperNode only its own key pair and ca.crt.
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
+die() { echo "certs.sh: $*" >&2; exit 1; }
+
+# openssl, its messages shown (indented) only when it fails
+run_openssl() {
+  if ! openssl "$@" 2>"$work/openssl.log"; then
+    echo "certs.sh: openssl $1 failed:" >&2
+    sed 's/^/    /' "$work/openssl.log" >&2
+    return 1
+  fi
+}
+
+# The subjectAltName entries of a certificate (x509) or request (req), sorted, one a line, in
+# openssl's own spelling (so that 2001:db8::1 and 2001:DB8:0:0:0:0:0:1 compare equal).
+sans_of() {
+  openssl "$1" -in "$2" -noout -text 2>/dev/null |
+    awk '/X509v3 Subject Alternative Name/ { getline; print; exit }' |
+    tr ',' '\n' | sed 's/^ *//; s/ *$//' | sed '/^$/d' | sort -u
+}
+
+# keys/NAME for each NAME, shortened to the first and last of a long list; nothing for none
+listed() {
+  if [ $# -gt 4 ]; then echo "keys/$1 ... keys/${!#} ($# files)"; elif [ $# -gt 0 ]; then printf 'keys/%s ' "$@" | sed 's/ $//'; fi
+}
+
+# Why DIR/superlink.crt needs (re-)issuing, or nothing when it is good for ca.crt and superlink.key.
+server_cert_problem() {
+  local out="$1"
+  if [ ! -f "$out/superlink.crt" ]; then echo "superlink.crt is missing"; return; fi
+  if ! openssl x509 -in "$out/superlink.crt" -noout 2>/dev/null; then
+    echo "superlink.crt is not a readable certificate (empty or damaged, left by a failed run?)"
+    return
+  fi
+  if ! openssl verify -CAfile "$out/ca.crt" "$out/superlink.crt" >/dev/null 2>&1; then
+    echo "superlink.crt is expired or not signed by ca.crt"
+    return
+  fi
+  if [ ! -f "$out/superlink.key" ]; then echo "superlink.key is missing"; return; fi
+  if [ "$(openssl x509 -in "$out/superlink.crt" -noout -pubkey 2>/dev/null)" != \
+       "$(openssl pkey -in "$out/superlink.key" -pubout 2>/dev/null)" ]; then
+    echo "superlink.key does not match superlink.crt"
+  fi
+}
 
 create() {
-  local out="" clients="" owner="" sans=()
+  local out="" clients="" owner="" sans=() san_given=0
   while [ $# -gt 0 ]; do
     case "$1" in
-      --out) out="$2"; shift 2 ;;
-      --clients) clients="$2"; shift 2 ;;
-      --san) sans+=("$2"); shift 2 ;;
-      --owner) owner="$2"; shift 2 ;;
+      --out) out="${2:-}"; shift 2 || usage ;;
+      --clients) clients="${2:-}"; shift 2 || usage ;;
+      --san) sans+=("${2:-}"); san_given=1; shift 2 || usage ;;
+      --owner) owner="${2:-}"; shift 2 || usage ;;
       *) usage ;;
     esac
   done
-  [ -n "$out" ] && [[ "$clients" =~ ^[0-9]+$ ]] || usage
+  [ -n "$out" ] || { echo "certs.sh create: --out DIR is required" >&2; usage; }
+  [[ "$clients" =~ ^[0-9]+$ ]] || { echo "certs.sh create: --clients N (a number) is required" >&2; usage; }
+  command -v openssl >/dev/null || die "openssl not found: install it (e.g. apt-get install openssl)"
+  command -v ssh-keygen >/dev/null || die "ssh-keygen not found: install it (e.g. apt-get install openssh-client)"
   mkdir -p "$out/keys"
   umask 077
-  if [ ! -f "$out/ca.crt" ]; then
-    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -days 3650 \
-      -subj "/CN=FedPAC federation CA" -keyout "$out/ca.key" -out "$out/ca.crt" 2>/dev/null
+  # every new file is made here first (same file system: moving it into place is a rename)
+  work="$(mktemp -d "$out/.certs.XXXXXX")"
+  trap 'rm -rf "$work"' EXIT
+  local created=() kept=()
+
+  # ---- the certificate authority
+  if [ -f "$out/ca.crt" ]; then
+    openssl x509 -in "$out/ca.crt" -noout 2>/dev/null ||
+      die "$out/ca.crt is not a readable certificate: restore it from a copy (every SuperNode has one)." \
+          "To start a new CA instead, remove ca.crt, ca.key and superlink.crt/.key from $out; every" \
+          "SuperNode then needs the new ca.crt."
+    kept+=(ca.crt)
+  elif [ -f "$out/ca.key" ]; then
+    die "$out/ca.key exists but ca.crt is missing: restore ca.crt (every SuperNode has a copy)," \
+        "or remove ca.key to start a new CA."
+  elif [ -f "$out/superlink.crt" ]; then
+    die "ca.crt is missing in $out but superlink.crt exists (signed by that CA): restore ca.crt" \
+        "(and ca.key to sign certificates), or remove superlink.crt and superlink.key to start a" \
+        "new CA (every SuperNode then needs the new ca.crt)."
+  else
+    run_openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -days 3650 \
+      -subj "/CN=FedPAC federation CA" -keyout "$work/ca.key" -out "$work/ca.crt" ||
+      die "could not create the CA in $out (nothing was written)"
+    chmod 644 "$work/ca.crt"
+    mv "$work/ca.key" "$out/ca.key"
+    mv "$work/ca.crt" "$out/ca.crt"  # last: ca.crt present means the CA is complete
+    created+=(ca.crt ca.key)
   fi
-  if [ ! -f "$out/superlink.crt" ]; then
-    local alt="DNS:superlink,DNS:localhost,IP:127.0.0.1" san
-    for san in "${sans[@]+"${sans[@]}"}"; do
-      if [[ "$san" =~ ^[0-9.]+$ || "$san" == *:* ]]; then alt+=",IP:$san"; else alt+=",DNS:$san"; fi
-    done
-    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -subj "/CN=superlink" \
-      -keyout "$out/superlink.key" -out "$out/superlink.csr" 2>/dev/null
-    openssl x509 -req -in "$out/superlink.csr" -CA "$out/ca.crt" -CAkey "$out/ca.key" \
-      -CAcreateserial -days 825 -out "$out/superlink.crt" \
-      -extfile <(printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$alt") 2>/dev/null
-    rm -f "$out/superlink.csr" "$out/ca.srl"
+
+  # ---- the SuperLink's certificate
+  local alt="DNS:superlink,DNS:localhost,IP:127.0.0.1" san
+  for san in "${sans[@]+"${sans[@]}"}"; do
+    [ -n "$san" ] || die "--san needs a host name or an IP address"
+    if [[ "$san" =~ ^[0-9.]+$ || "$san" == *:* ]]; then alt+=",IP:$san"; else alt+=",DNS:$san"; fi
+  done
+  local problem
+  problem="$(server_cert_problem "$out")"
+  # the request (and its key) is made in any case: openssl spells its SANs as in the certificate
+  if [ -n "$problem" ] || [ "$san_given" = 1 ]; then
+    run_openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -subj "/CN=superlink" \
+      -addext "subjectAltName=$alt" -keyout "$work/superlink.key" -out "$work/superlink.csr" ||
+      die "could not make the SuperLink's key and certificate request (check every --san;" \
+          "nothing was written)"
+  fi
+  if [ -z "$problem" ] && [ "$san_given" = 1 ]; then
+    local have want
+    have="$(sans_of x509 "$out/superlink.crt" | paste -sd ' ')"
+    want="$(sans_of req "$work/superlink.csr" | paste -sd ' ')"
+    [ "$have" = "$want" ] || problem="superlink.crt's SANs ($have) differ from the requested ($want)"
+  fi
+  if [ -n "$problem" ]; then
+    if [ ! -f "$out/ca.key" ]; then
+      local fix="or copy the superlink.crt and superlink.key issued earlier into $out"
+      [[ "$problem" == *SANs* ]] && fix="or run without --san to keep the current certificate"
+      die "ca.key not found in $out, and a new server certificate needs it: $problem." \
+          "Put the CA key back (as $out/ca.key; move it offline again afterwards) to sign a new" \
+          "superlink.crt, $fix. Nothing was written."
+    fi
+    local reissue=0
+    [ -e "$out/superlink.crt" ] && reissue=1
+    run_openssl x509 -req -in "$work/superlink.csr" -CA "$out/ca.crt" -CAkey "$out/ca.key" \
+      -set_serial "0x$(openssl rand -hex 16)" -days 825 -out "$work/superlink.crt" \
+      -extfile <(printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$alt") ||
+      die "could not sign superlink.crt with $out/ca.key (is it the key of ca.crt?); nothing was written"
+    openssl verify -CAfile "$out/ca.crt" "$work/superlink.crt" >/dev/null 2>&1 ||
+      die "the new superlink.crt does not verify against $out/ca.crt (is ca.key the key of" \
+          "ca.crt?); nothing was written"
+    chmod 644 "$work/superlink.crt"
+    mv "$work/superlink.key" "$out/superlink.key"
+    mv "$work/superlink.crt" "$out/superlink.crt"
+    if [ "$reissue" = 1 ]; then
+      echo "re-issued superlink.crt and superlink.key: $problem" >&2
+    fi
     echo "superlink certificate: $alt"
+    created+=(superlink.crt superlink.key)
+  else
+    kept+=(superlink.crt superlink.key)
   fi
   chmod 644 "$out/ca.crt" "$out/superlink.crt"
   chmod 755 "$out" "$out/keys"
-  local i
+
+  # ---- SuperNode key pairs and shared secrets
+  local i new_keys=() new_secrets=() name
   for ((i = 0; i < clients; i++)); do
-    if [ ! -f "$out/keys/supernode-$i" ]; then
-      ssh-keygen -q -t ecdsa -b 384 -N "" -C "supernode-$i" -f "$out/keys/supernode-$i"
+    name="supernode-$i"
+    if [ -f "$out/keys/$name" ]; then
+      if [ ! -f "$out/keys/$name.pub" ]; then
+        ssh-keygen -y -f "$out/keys/$name" > "$work/$name.pub" ||
+          die "$out/keys/$name is not a readable private key: remove it (and $name.pub) to make a new pair"
+        mv "$work/$name.pub" "$out/keys/$name.pub"
+        new_keys+=("$name.pub")
+      fi
+    elif [ -f "$out/keys/$name.pub" ]; then
+      : # the private key was handed to its SuperNode: the pair stays as registered
+    else
+      ssh-keygen -q -t ecdsa -b 384 -N "" -C "$name" -f "$work/$name" </dev/null ||
+        die "ssh-keygen could not make $name (nothing was written)"
+      mv "$work/$name.pub" "$out/keys/$name.pub"
+      mv "$work/$name" "$out/keys/$name"
+      new_keys+=("$name")
     fi
-    chmod 644 "$out/keys/supernode-$i.pub"
-    [ -f "$out/keys/supernode-$i.secret" ] || openssl rand -hex 32 > "$out/keys/supernode-$i.secret"
+    chmod 644 "$out/keys/$name.pub"
+    if [ ! -f "$out/keys/$name.secret" ]; then
+      openssl rand -hex 32 > "$work/$name.secret" || die "openssl rand failed"
+      mv "$work/$name.secret" "$out/keys/$name.secret"
+      new_secrets+=("$name.secret")
+    fi
   done
-  [ -f "$out/superexec.secret" ] || openssl rand -hex 32 > "$out/superexec.secret"
-  if [ -n "$owner" ]; then
-    chown "$owner" "$out/superlink.key" "$out/superexec.secret" "$out"/keys/supernode-*[0-9] \
-      "$out"/keys/supernode-*.secret
+  if [ ! -f "$out/superexec.secret" ]; then
+    openssl rand -hex 32 > "$work/superexec.secret" || die "openssl rand failed"
+    mv "$work/superexec.secret" "$out/superexec.secret"
+    created+=(superexec.secret)
   fi
-  echo "created in $out: ca.crt, superlink.crt/.key, keys/supernode-0..$((clients - 1))"
+  if [ -n "$owner" ]; then
+    local owned=("$out/superlink.key" "$out/superexec.secret") file
+    for file in "$out"/keys/supernode-*; do
+      case "$file" in *.pub) ;; *) [ -f "$file" ] && owned+=("$file") ;; esac
+    done
+    chown "$owner" "${owned[@]}"
+  fi
+  created+=("$(listed "${new_keys[@]+"${new_keys[@]}"}")" "$(listed "${new_secrets[@]+"${new_secrets[@]}"}")")
+  mapfile -t created < <(printf '%s\n' "${created[@]}" | sed '/^$/d')
+  if [ ${#created[@]} -eq 0 ]; then
+    [ "$clients" -eq 0 ] || kept+=("keys/supernode-0..$((clients - 1))")
+    echo "nothing to create in $out: every file was already there (kept: ${kept[*]})"
+  else
+    echo "created in $out: ${created[*]}"
+    [ ${#kept[@]} -eq 0 ] || echo "kept: ${kept[*]}"
+  fi
 }
 
 register() {
   local keys="" federation="" clients=""
   while [ $# -gt 0 ]; do
     case "$1" in
-      --keys) keys="$2"; shift 2 ;;
-      --clients) clients="$2"; shift 2 ;;
+      --keys) keys="${2:-}"; shift 2 || usage ;;
+      --clients) clients="${2:-}"; shift 2 || usage ;;
       -*) usage ;;
       *) federation="$1"; shift ;;
     esac
@@ -91,6 +238,7 @@ register() {
   done
 }
 
+work=""
 case "${1:-}" in
   create) shift; create "$@" ;;
   register) shift; register "$@" ;;

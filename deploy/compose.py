@@ -143,7 +143,8 @@ def cpu_override(n: int) -> str:
 
 def write(n: int, gpus: int, directory: Path = ROOT) -> tuple[Path, Path]:
     main, cpu = directory / "docker-compose.yml", directory / "docker-compose.cpu.yml"
-    main.write_text(HEADER.format(n=n) + yaml.safe_dump(compose(n, gpus), sort_keys=False, width=120, default_flow_style=None))
+    services = yaml.safe_dump(compose(n, gpus), sort_keys=False, width=120, default_flow_style=None)
+    main.write_text(HEADER.format(n=n) + services)
     cpu.write_text(cpu_override(n))
     return main, cpu
 

@@ -63,7 +63,7 @@ class LongPoll:
             try:
                 while not answered(response) and (left := deadline - time.monotonic()) > 0:
                     with self._condition:
-                        self._condition.wait_for(lambda: self._stored != seen, timeout=left)
+                        self._condition.wait_for(lambda last=seen: self._stored != last, timeout=left)
                         seen = self._stored
                     response = handle(*args, **kwargs)
                 return response

@@ -198,7 +198,8 @@ class TaskRunner:
         except Exception as ex:  # pylint: disable=broad-exception-caught  # as flwr-clientapp
             code, reason = ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(ex)}:<'{ex}'>"
             if isinstance(ex, LoadClientAppError):
-                code, reason = ErrorCode.LOAD_CLIENT_APP_EXCEPTION, "An exception was raised when attempting to load `ClientApp`"
+                code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
+                reason = "An exception was raised when attempting to load `ClientApp`"
             log(ERROR, "ClientApp raised an exception", exc_info=ex)
             details = reason
             if message is not None:

@@ -2,9 +2,14 @@
 
 A grid file holds defaults at the top level and one table per experiment (one paper table or
 figure). Every level may set ``rounds``, ``seeds``, ``clients``, ``alpha-rounds`` and a
-``run-config`` table of run-config overrides; the innermost wins, then the command line::
+``run-config`` table of run-config overrides; the innermost wins, then the command line. The
+top level and the experiments may also set ``metric``, the accuracy an experiment's table
+reports: ``personalized`` (the default: each client's model on its own test split, FedPAC's
+metric) or ``generalized`` (the full test set relabelled with each client's current concept,
+FedCCFA's metric, measured every ``generalized-every`` rounds and at the last)::
 
     rounds = 200                    # federated rounds of every cell
+    metric = "personalized"         # or "generalized"
     seeds = [0, 1, 2]
     clients = 20                    # simulated SuperNodes (num-partitions)
     alpha-rounds = [1, 50, 200]     # rounds whose combination weights are plotted
@@ -73,6 +78,9 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     return all(key in current or key in skip for key in stored)
 
 
+METRICS = ("personalized", "generalized")
+
+
 class GridError(ValueError):
     """A grid file (or a command-line override) that cannot be run."""
 
@@ -126,6 +134,7 @@ class Experiment:
     seeds: list[int]
     rounds: int
     alpha_rounds: list[int]
+    metric: str = "personalized"  # one of METRICS: what the table reports
 
     def cell(self, setting: Setting, method: str, seed: int) -> Cell:
         run_config = {
@@ -209,6 +218,16 @@ def _level(table: dict[str, Any], inherited: dict[str, Any], where: str, extra: 
     return merged
 
 
+def _metric(table: dict[str, Any], inherited: str, where: str) -> str:
+    """The level's ``metric``, or the inherited one."""
+    if "metric" not in table:
+        return inherited
+    value = table["metric"]
+    if value not in METRICS:
+        raise GridError(f"{where}.metric must be one of {', '.join(repr(m) for m in METRICS)}, got {value!r}")
+    return value
+
+
 def _methods(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
         raise GridError(f"{where} must be a non-empty list of method names")
@@ -230,7 +249,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise GridError(f"cannot read grid file {path}: {err}") from err
     _check_run_config(overrides.run_config, "--set")
-    top = _level(document, {"seeds": [0], "alpha-rounds": [], "run-config": {}}, "grid", {"experiments"})
+    top = _level(document, {"seeds": [0], "alpha-rounds": [], "run-config": {}}, "grid", {"experiments", "metric"})
+    top_metric = _metric(document, METRICS[0], "grid")
     tables = _table(document.get("experiments"), "experiments")
     if not tables:
         raise GridError(f"{path}: no [experiments.<name>] table")
@@ -244,7 +264,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
     for name in _select(list(tables), overrides.experiments):
         where = f"experiments.{name}"
         table = _table(tables[name], where)
-        level = _level(table, top, where, {"title", "methods", "settings"})
+        level = _level(table, top, where, {"title", "methods", "settings", "metric"})
+        metric = _metric(table, top_metric, where)
         all_methods = _methods(table.get("methods"), f"{where}.methods")
         methods = _select(all_methods, overrides.methods)
         settings = []
@@ -275,6 +296,7 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
             rounds=rounds,
             # plotted rounds beyond a shortened run move to its last round
             alpha_rounds=sorted({min(r, rounds) for r in level["alpha-rounds"]}),
+            metric=metric,
         )
         for setting, cell in experiment.cells():
             try:

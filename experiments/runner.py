@@ -206,6 +206,15 @@ def _log_tail(path: Path, lines: int = 3) -> str:
     return "\n".join("      " + line for line in text[-lines:])
 
 
+def _final(run: RunOutputs, planned: PlannedCell) -> str:
+    """The log's final accuracy: personalized, or generalized (with the personalized one) when
+    an experiment that reports the cell measures generalized accuracy."""
+    if any(experiment.metric == "generalized" for experiment, _ in planned.uses):
+        return (f"final accuracy {run.final_generalized_accuracy:.2f}% generalized, "
+                f"{run.final_accuracy:.2f}% personalized")
+    return f"final accuracy {run.final_accuracy:.2f}%"
+
+
 def _write_cell_file(directory: Path, cell: Cell) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     document = {"method": cell.method, "clients": cell.clients, "seed": cell.seed, "rounds": cell.rounds,
@@ -237,7 +246,7 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         prefix = f"[{index}/{total}] {planned.label}"
         done = finished_run(directory, cell)
         if done is not None:
-            log(f"{prefix}: finished before, skipped (final accuracy {done.final_accuracy:.2f}%)")
+            log(f"{prefix}: finished before, skipped ({_final(done, planned)})")
             continue
         _write_cell_file(directory, cell)
         start = resumable_run(directory, cell)
@@ -261,7 +270,7 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
             log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "
                 f"log: {directory / 'cell.log'}\n{_log_tail(directory / 'cell.log')}")
             continue
-        log(f"{prefix}: done in {_duration(seconds)}, final accuracy {done.final_accuracy:.2f}% | "
+        log(f"{prefix}: done in {_duration(seconds)}, {_final(done, planned)} | "
             f"elapsed {elapsed}, about {_duration(remaining)} left")
         for experiment in {id(e): e for e, _ in planned.uses}.values():
             report(experiment, out)

@@ -1,12 +1,21 @@
 """Reading finished cells and writing an experiment's report.
 
 Per experiment: ``summary.csv`` (method, setting, clients, rounds, seeds, mean, std of the final
-personalized accuracy over seeds, in %), ``curves.csv`` (the same at every round),
+accuracy over seeds, in %), ``curves.csv`` (the personalized accuracy at every round),
 ``table.md`` (methods x settings, with the paper's numbers where the grid gives them),
 ``accuracy.png`` (mean personalized accuracy per round, one panel per setting, every method in
 it, mean over seeds with a +-1 std band) and
 ``alpha/<setting>-<method>-seed<s>-round<r>.png`` (combination weights at the grid's chosen
 rounds, for the methods that have them).
+
+The final accuracy is the experiment's ``metric``: the last round's mean personalized accuracy
+(the default), or its mean generalized accuracy (FedCCFA's metric: the full test set relabelled
+with each client's current concept; blank when the last round did not measure it). A
+generalized experiment's summary.csv adds the final personalized accuracy
+(``personalized_mean``, ``personalized_std``), its table.md a second table with it,
+``curves-generalized.csv`` the generalized accuracy in the rounds that measured it, and its
+accuracy.png marks those rounds' generalized accuracy on the personalized lines. Rounds where a
+concept drift starts (``drift`` in the setting's run config) are dotted vertical lines.
 """
 
 from __future__ import annotations
@@ -27,12 +36,16 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 from matplotlib.ticker import MaxNLocator  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
+from common.config import ConfigError, parse_run_config  # noqa: E402  pylint: disable=wrong-import-position
+from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
 from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
 from experiments.grid import Cell, Experiment, Setting, same_computation  # noqa: E402  pylint: disable=wrong-import-position
 from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
 from server_app.report import plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
 
 SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
+# A generalized experiment's summary.csv: the final personalized accuracy next to it.
+GENERALIZED_COLUMNS = (*SUMMARY_COLUMNS, "personalized_mean", "personalized_std")
 CURVE_COLUMNS = ("method", "setting", "round", "seeds", "mean", "std")
 
 
@@ -63,10 +76,26 @@ class RunOutputs:
         """The last round's mean personalized accuracy, in %."""
         return 100.0 * float(self.rounds[-1]["mean_accuracy"]) if self.rounds else math.nan
 
+    @property
+    def final_generalized_accuracy(self) -> float:
+        """The last round's mean generalized accuracy, in %; NaN when that round did not measure it."""
+        value = self.rounds[-1].get("mean_generalized_accuracy") if self.rounds else None
+        return math.nan if value is None else 100.0 * float(value)
+
+    def final(self, metric: str) -> float:
+        """The last round's mean accuracy of ``metric`` (``experiments.grid.METRICS``), in %."""
+        return self.final_generalized_accuracy if metric == "generalized" else self.final_accuracy
+
     def accuracy_curve(self) -> tuple[list[int], list[float]]:
         """(round, mean personalized accuracy in %) for every evaluated round."""
         points = [(r["round"], 100.0 * r["mean_accuracy"]) for r in self.rounds
                   if r.get("accuracy") and r.get("mean_accuracy") is not None]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    def generalized_curve(self) -> tuple[list[int], list[float]]:
+        """(round, mean generalized accuracy in %) for the rounds that measured it."""
+        points = [(r["round"], 100.0 * r["mean_generalized_accuracy"]) for r in self.rounds
+                  if r.get("generalized") and r.get("mean_generalized_accuracy") is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -118,41 +147,58 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else math.nan
 
 
+def _rounded(value: float) -> float | str:
+    """A csv value: rounded to 4 decimals, blank when undefined (NaN)."""
+    return "" if math.isnan(value) else round(value, 4)
+
+
 def summary_rows(experiment: Experiment, results: Results) -> list[dict[str, Any]]:
-    """One row per (method, setting) with at least one finished seed."""
+    """One row per (method, setting) with at least one finished seed: the final accuracy of the
+    experiment's metric (blank when a seed's last round did not measure it), and for a
+    generalized experiment the final personalized accuracy too."""
     rows = []
     for setting in experiment.settings:
         for method in experiment.methods:
-            finals = [results[(setting.name, method, s)].final_accuracy
-                      for s in experiment.seeds if (setting.name, method, s) in results]
-            if not finals:
+            runs = [results[(setting.name, method, s)]
+                    for s in experiment.seeds if (setting.name, method, s) in results]
+            if not runs:
                 continue
-            mean, std = _mean_std(finals)
-            rows.append({"method": method, "setting": setting.name, "clients": setting.clients,
-                         "rounds": experiment.rounds, "seeds": len(finals),
-                         "mean": round(mean, 4), "std": "" if math.isnan(std) else round(std, 4)})
+            mean, std = _mean_std([run.final(experiment.metric) for run in runs])
+            row = {"method": method, "setting": setting.name, "clients": setting.clients,
+                   "rounds": experiment.rounds, "seeds": len(runs),
+                   "mean": _rounded(mean), "std": _rounded(std)}
+            if experiment.metric == "generalized":
+                personalized, spread = _mean_std([run.final_accuracy for run in runs])
+                row.update(personalized_mean=_rounded(personalized), personalized_std=_rounded(spread))
+            rows.append(row)
     return rows
 
 
-def summary_csv(rows: list[dict[str, Any]]) -> bytes:
+def summary_columns(experiment: Experiment) -> tuple[str, ...]:
+    return GENERALIZED_COLUMNS if experiment.metric == "generalized" else SUMMARY_COLUMNS
+
+
+def summary_csv(rows: list[dict[str, Any]], columns: tuple[str, ...] = SUMMARY_COLUMNS) -> bytes:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=SUMMARY_COLUMNS)
+    writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
     writer.writerows(rows)
     return buffer.getvalue().encode()
 
 
-def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
-    """Methods x settings, "mean ± std" over seeds, the paper's value in parentheses."""
+_CAPTIONS = {
+    "personalized": "Final mean personalized test accuracy (%)",
+    "generalized": "Final mean generalized test accuracy (%) (each client's model on the full test set "
+                   "relabelled with its current concept, FedCCFA's metric)",
+}
+
+
+def _table_lines(experiment: Experiment, rows: list[dict[str, Any]], mean: str, std: str,
+                 paper: bool) -> list[str]:
+    """Methods x settings of ``row[mean] ± row[std] (n=seeds)``, the paper's value in parentheses."""
     by_cell = {(r["method"], r["setting"]): r for r in rows}
-    header = "| method | " + " | ".join(f"{s.name} ({s.clients} clients)" for s in experiment.settings) + " |"
     lines = [
-        f"# {experiment.title}",
-        "",
-        f"Final mean personalized test accuracy (%) after {experiment.rounds} rounds, mean ± std over "
-        f"the seeds {', '.join(map(str, experiment.seeds))} (n = seeds finished); paper's value in parentheses.",
-        "",
-        header,
+        "| method | " + " | ".join(f"{s.name} ({s.clients} clients)" for s in experiment.settings) + " |",
         "|---" * (len(experiment.settings) + 1) + "|",
     ]
     for method in experiment.methods:
@@ -161,12 +207,36 @@ def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
             row = by_cell.get((method, setting.name))
             text = "–"
             if row is not None:
-                text = f"{row['mean']:.2f}" + (f" ± {row['std']:.2f}" if row["std"] != "" else "")
+                text = "n/a" if row[mean] == "" else f"{row[mean]:.2f}"
+                text += f" ± {row[std]:.2f}" if row[std] != "" else ""
                 text += f" (n={row['seeds']})"
-            if method in setting.paper:
+            if paper and method in setting.paper:
                 text += f" ({setting.paper[method]:.2f})"
             cells.append(text)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
+    """Methods x settings, "mean ± std" over seeds, the paper's value in parentheses; a
+    generalized experiment adds the final personalized accuracy as a second table."""
+    seeds = ', '.join(map(str, experiment.seeds))
+    lines = [
+        f"# {experiment.title}",
+        "",
+        f"{_CAPTIONS[experiment.metric]} after {experiment.rounds} rounds, mean ± std over "
+        f"the seeds {seeds} (n = seeds finished); paper's value in parentheses.",
+        "",
+        *_table_lines(experiment, rows, "mean", "std", paper=True),
+    ]
+    if experiment.metric == "generalized":
+        lines += [
+            "",
+            f"For reference, the final mean personalized test accuracy (%) (each client's model on its "
+            f"own test split) of the same runs, mean ± std over the seeds {seeds}:",
+            "",
+            *_table_lines(experiment, rows, "personalized_mean", "personalized_std", paper=False),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -181,14 +251,38 @@ def seed_curves(experiment: Experiment, results: Results, setting: Setting,
     return list(curves[0][0][:length]), np.array([c[1][:length] for c in curves])
 
 
-def curves_csv(experiment: Experiment, results: Results) -> bytes:
-    """Mean and std over seeds of the personalized accuracy (%) at every round."""
+def generalized_points(experiment: Experiment, results: Results, setting: Setting,
+                       method: str) -> tuple[list[int], np.ndarray] | None:
+    """(rounds measured by every finished seed, generalized accuracy in % per seed x round);
+    None without a finished seed or a round that every one measured."""
+    curves = [dict(zip(*results[(setting.name, method, s)].generalized_curve()))
+              for s in experiment.seeds if (setting.name, method, s) in results]
+    rounds = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if not rounds:
+        return None
+    return rounds, np.array([[c[r] for r in rounds] for c in curves])
+
+
+def drift_rounds(experiment: Experiment, setting: Setting) -> tuple[int, ...]:
+    """The first rounds of a new concept in the setting's runs (none without drift), up to
+    the experiment's last round."""
+    try:
+        drift = Drift.from_config(parse_run_config(setting.run_config))
+    except (ConfigError, ValueError):  # the grid validated every cell; a report never fails on it
+        return ()
+    return tuple(r for r in drift.change_rounds if r <= experiment.rounds) if drift.active else ()
+
+
+def curves_csv(experiment: Experiment, results: Results, generalized: bool = False) -> bytes:
+    """Mean and std over seeds of the personalized accuracy (%) at every round, or of the
+    generalized accuracy in the rounds that measured it."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(CURVE_COLUMNS)
+    points = generalized_points if generalized else seed_curves
     for setting in experiment.settings:
         for method in experiment.methods:
-            curve = seed_curves(experiment, results, setting, method)
+            curve = points(experiment, results, setting, method)
             if curve is None:
                 continue
             rounds, values = curve
@@ -199,8 +293,11 @@ def curves_csv(experiment: Experiment, results: Results) -> bytes:
     return buffer.getvalue().encode()
 
 
-def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
-    """Mean personalized accuracy per round: a panel per setting, a line per method."""
+def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:  # pylint: disable=too-many-locals
+    """Mean personalized accuracy per round: a panel per setting, a line per method. A
+    generalized experiment marks the generalized accuracy where it was measured (same colour
+    as the method's line); drift starts are dotted vertical lines."""
+    generalized = experiment.metric == "generalized"
     count = len(experiment.settings)
     columns = min(count, 3)
     rows = math.ceil(count / columns)
@@ -212,14 +309,27 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
                 continue
             x, values = curve
             mean = values.mean(axis=0)
-            line, = ax.plot(x, mean, label=f"{method} ({mean[-1]:.1f})")
+            points = generalized_points(experiment, results, setting, method) if generalized else None
+            label = f"{method} ({mean[-1]:.1f})"
+            if points is not None:
+                label = f"{method} ({mean[-1]:.1f}; generalized {points[1].mean(axis=0)[-1]:.1f})"
+            line, = ax.plot(x, mean, label=label)
             if len(values) > 1:
                 std = values.std(axis=0, ddof=1)
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
-        ax.set_title(f"{setting.name} ({setting.clients} clients)")
+            if points is not None:
+                ax.plot(points[0], points[1].mean(axis=0), linestyle="none", marker="s", markersize=4,
+                        markeredgecolor="black", markeredgewidth=0.5, color=line.get_color())
+        for index, change in enumerate(drift_rounds(experiment, setting)):
+            ax.axvline(change, color="gray", linestyle=":", linewidth=1.2,
+                       label="concept drift" if index == 0 else None)
+        title = f"{setting.name} ({setting.clients} clients)"
+        if generalized:
+            title += "\nlines: personalized, squares: generalized"
+        ax.set_title(title)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
-        ax.set_ylabel("personalized test accuracy (%)")
+        ax.set_ylabel("test accuracy (%)" if generalized else "personalized test accuracy (%)")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(loc="lower right", fontsize=8)
@@ -257,9 +367,11 @@ def write_report(experiment: Experiment, results: Results, directory: Path) -> l
     """Rewrite the experiment's summary.csv, table.md, accuracy.png and alpha heatmaps."""
     directory.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(experiment, results)
-    atomic_write(directory / "summary.csv", summary_csv(rows))
+    atomic_write(directory / "summary.csv", summary_csv(rows, summary_columns(experiment)))
     atomic_write(directory / "table.md", markdown_table(experiment, rows).encode())
     atomic_write(directory / "curves.csv", curves_csv(experiment, results))
+    if experiment.metric == "generalized":
+        atomic_write(directory / "curves-generalized.csv", curves_csv(experiment, results, generalized=True))
     plot_accuracy(experiment, results, directory / "accuracy.png")
     plot_alphas(experiment, results, directory / "alpha")
     return rows

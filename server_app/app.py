@@ -15,6 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from common import protocol as p
+from common.aggregation import Clustering
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS, Rule
 from common.model import FedPACNet, split_state
@@ -62,6 +63,17 @@ def save_final_state(strategy: FedPAC, path: Path) -> None:
     atomic_write(path, npz_bytes(arrays))
 
 
+def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Checkpoint) -> None:
+    """A finished round's outputs, most important first: the checkpoint (``checkpoint.rounds``
+    ends with ``record``), then the tables (metrics.json, rounds.csv, clients.csv), then the
+    charts. A failed checkpoint or table write (a full disk, say) stops the run with an OSError
+    naming the file; the checkpoint is then never behind the tables, so a run resumed from it
+    has every round the tables show. A failed chart is only a warning (``RunReport.write``).
+    """
+    save_checkpoint(checkpoint, report.directory)
+    report.add(record)
+
+
 def _resume(cfg: FedPACConfig) -> Checkpoint | None:
     if not cfg.resume_from:
         return None
@@ -102,6 +114,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         qp_solver=cfg.qp_solver,
         min_train_replies=cfg.min_train_replies,
         max_failed_rounds=cfg.max_failed_rounds,
+        clustering=Clustering(cfg.cluster_eps, cfg.cluster_weights, cfg.clustered_anchors),
         seed=cfg.seed,
     )
     if checkpoint is not None:
@@ -111,23 +124,21 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
 
     def end_of_round(record: RoundRecord) -> None:
-        report.add(record)
-        save_checkpoint(
-            Checkpoint(
-                completed_rounds=record.round,
-                extractor=strategy.extractor or extractor,
-                centroids=strategy.centroids,
-                centroid_mask=strategy.centroid_mask,
-                heads=strategy.heads,
-                rounds=report.rounds,
-                model_shape=model_shape(cfg),
-                seed=cfg.seed,
-                strategy=cfg.strategy,
-                global_head=strategy.global_head if strategy.method.head is Rule.AVERAGE else None,
-                client_extractors=strategy.local_extractors,
-            ),
-            directory,
+        checkpoint = Checkpoint(
+            completed_rounds=record.round,
+            extractor=strategy.extractor or extractor,
+            centroids=strategy.centroids,
+            centroid_mask=strategy.centroid_mask,
+            heads=strategy.heads,
+            rounds=[*report.rounds, record],
+            model_shape=model_shape(cfg),
+            seed=cfg.seed,
+            strategy=cfg.strategy,
+            global_head=strategy.global_head if strategy.method.head is Rule.AVERAGE else None,
+            client_extractors=strategy.local_extractors,
+            anchors=strategy.anchors,
         )
+        write_round_outputs(report, record, checkpoint)
 
     strategy.on_round_end = end_of_round
     strategy.discover(grid, timeout=cfg.round_timeout)

@@ -3,7 +3,8 @@
 One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename) after every
 round: the global extractor, the global centroids and mask, every client's personalized head
 (by partition-id), the number of finished rounds, and the per-round records so far. Baselines
-add what their server keeps instead: FedAvg's global head, Local-only's per-client extractors;
+add what their server keeps instead: FedAvg's global head, Local-only's per-client extractors,
+FedCCFA's per-client anchors;
 the method's name is stored so that a run resumes only as the method it was. Node
 sampling and local shuffling are seeded by (seed, round, partition-id), so no random generator
 state needs saving: a resumed run continues exactly where the stopped one would have.
@@ -24,7 +25,9 @@ from server_app.report import RoundRecord
 FILE_NAME = "checkpoint.npz"
 FORMAT_VERSION = 1
 # RoundRecord fields whose keys are partition-ids (JSON turns them into strings).
-_KEYED_BY_PARTITION = ("train", "accuracy", "test_loss", "eval_seconds", "bytes_sent", "bytes_received")
+_KEYED_BY_PARTITION = (
+    "train", "accuracy", "test_loss", "eval_seconds", "bytes_sent", "bytes_received", "generalized",
+)
 
 
 class CheckpointError(ValueError):
@@ -46,6 +49,8 @@ class Checkpoint:
     strategy: str = "fedpac"  # the method (run config `strategy`)
     global_head: p.NDArrays | None = None  # methods that average heads (FedAvg)
     client_extractors: dict[int, p.NDArrays] = field(default_factory=dict)  # Local-only
+    # FedCCFA: each client's cluster anchors (K, d) and their mask (K,)
+    anchors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
@@ -59,6 +64,9 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
         arrays[f"global-head/{key}"] = value
     for pid, extractor in checkpoint.client_extractors.items():
         arrays.update({f"client-extractor/{pid}/{k}": v for k, v in extractor.items()})
+    for pid, (values, mask) in checkpoint.anchors.items():
+        arrays[f"anchors/{pid}/values"] = values
+        arrays[f"anchors/{pid}/mask"] = mask
     meta = {
         "format": FORMAT_VERSION,
         "completed_rounds": checkpoint.completed_rounds,
@@ -75,7 +83,7 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
 
 def _record(data: dict) -> RoundRecord:
     for name in _KEYED_BY_PARTITION:
-        data[name] = {int(k): v for k, v in data[name].items()}
+        data[name] = {int(k): v for k, v in data.get(name, {}).items()}
     return RoundRecord(**data)
 
 
@@ -96,6 +104,7 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT_VERSION}")
     heads: dict[int, p.NDArrays] = {}
     client_extractors: dict[int, p.NDArrays] = {}
+    anchor_parts: dict[int, dict[str, np.ndarray]] = {}
     for name, value in arrays.items():
         if name.startswith("head/"):
             _, pid, key = name.split("/", 2)
@@ -103,6 +112,9 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         elif name.startswith("client-extractor/"):
             _, pid, key = name.split("/", 2)
             client_extractors.setdefault(int(pid), {})[key] = value
+        elif name.startswith("anchors/"):
+            _, pid, key = name.split("/", 2)
+            anchor_parts.setdefault(int(pid), {})[key] = value
     global_head = {k[len("global-head/"):]: v for k, v in arrays.items() if k.startswith("global-head/")}
     return Checkpoint(
         completed_rounds=int(meta["completed_rounds"]),
@@ -116,4 +128,5 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         strategy=str(meta.get("strategy", "fedpac")),  # checkpoints from before the baselines
         global_head=global_head or None,
         client_extractors=client_extractors,
+        anchors={pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in anchor_parts.items()},
     )

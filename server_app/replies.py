@@ -30,6 +30,7 @@ class ClientUpdate:  # pylint: disable=too-many-instance-attributes
     class_counts: np.ndarray | None = None  # (K,), with any statistics
     h: np.ndarray | None = None  # (K, d), with classifier collaboration
     v: float | None = None  # with classifier collaboration
+    balanced_head: p.NDArrays | None = None  # with clustered heads: the clustering input
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ClientEvaluation:
     accuracy: float
     loss: float
     seconds: float  # client-side compute of the evaluation
+    generalized_accuracy: float | None = None  # the whole test set in the client's concept
 
 
 MAX_METRICS = 32
@@ -56,6 +58,9 @@ def expected_statistics(method: Method, num_classes: int, dim: int) -> dict[str,
         expected[p.CLASS_COUNTS] = (num_classes,)
     if method.needs_statistics:
         expected[p.H] = (num_classes, dim)
+    if method.sends_balanced_head:
+        expected[p.BALANCED_WEIGHT] = (num_classes, dim)
+        expected[p.BALANCED_BIAS] = (num_classes,)
     return expected
 
 
@@ -165,7 +170,8 @@ def parse_train_reply(
         if (counts < 0).any() or not np.allclose(counts, np.round(counts)):
             raise InvalidReply("class counts must be non-negative integers")
         if counts.sum() != num_examples:
-            raise InvalidReply(f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
+            raise InvalidReply(
+                f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
     v = None
     if method.needs_statistics:
         v = _metric(metrics, p.V)
@@ -182,7 +188,14 @@ def parse_train_reply(
         class_counts=counts,
         h=stats[p.H].astype(np.float64) if p.H in stats else None,
         v=v,
+        balanced_head=_balanced_head(stats, head_template) if method.sends_balanced_head else None,
     )
+
+
+def _balanced_head(stats: p.NDArrays, head_template: p.NDArrays) -> p.NDArrays:
+    """The balanced head under the model's own head keys (shapes were checked with the rest)."""
+    return {p.HEAD_WEIGHT: stats[p.BALANCED_WEIGHT].astype(head_template[p.HEAD_WEIGHT].dtype),
+            p.HEAD_BIAS: stats[p.BALANCED_BIAS].astype(head_template[p.HEAD_BIAS].dtype)}
 
 
 @dataclass(frozen=True)
@@ -227,6 +240,11 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
     num_examples = _metric(metrics, p.NUM_EXAMPLES)
     if num_examples <= 0:
         raise InvalidReply(f"num-examples {num_examples} must be positive")
+    generalized = None
+    if p.GENERALIZED_ACCURACY in metrics:
+        generalized = _metric(metrics, p.GENERALIZED_ACCURACY)
+        if not 0.0 <= generalized <= 1.0:
+            raise InvalidReply(f"generalized accuracy {generalized} outside [0, 1]")
     return ClientEvaluation(
         partition_id=_partition_id(metrics, num_partitions),
         node_id=msg.metadata.src_node_id,
@@ -234,4 +252,5 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
         accuracy=accuracy,
         loss=_metric(metrics, "loss"),
         seconds=float(metrics.get("eval-seconds", 0.0)),
+        generalized_accuracy=generalized,
     )

@@ -1,7 +1,9 @@
-"""Run outputs: per-round records, metrics as JSON and CSV, accuracy and alpha plots.
+"""Run outputs: per-round records, metrics as JSON and CSV, accuracy, alpha and cluster plots.
 
 Everything is rewritten atomically (temp file, then rename) after every round, so a run that
-stops early still leaves complete, readable files for the rounds it finished.
+stops early still leaves complete, readable files for the rounds it finished. Tables come
+before charts, and a chart that cannot be written (a full disk, say) is a logged warning: a
+plot is never worth a run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import matplotlib
@@ -22,17 +24,20 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-position
 
+from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
 from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
 
 CLIENT_COLUMNS = (
-    "round", "partition_id", "group", "trained", "accuracy", "test_loss", "num_examples", "v",
-    "head_loss", "train_loss", "align_loss", "train_seconds", "eval_seconds", "bytes_sent", "bytes_received",
-    "solver_status",
+    "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
+    "num_examples", "v", "head_loss", "train_loss", "align_loss", "align_weight", "train_seconds",
+    "eval_seconds", "bytes_sent", "bytes_received", "solver_status",
 )
 ROUND_COLUMNS = (
-    "round", "mean_accuracy", "min_accuracy", "max_accuracy", "num_evaluated", "num_trained",
-    "mean_train_loss", "qp_fallbacks", "centroid_classes", "bytes_sent", "bytes_received", "seconds",
+    "round", "mean_accuracy", "min_accuracy", "max_accuracy", "mean_generalized_accuracy", "num_evaluated",
+    "num_trained", "mean_train_loss", "qp_fallbacks", "centroid_classes", "mean_clusters_per_class",
+    "bytes_sent", "bytes_received", "seconds",
 )
+CLUSTER_COLUMNS = ("round", "class", "partition_id", "cluster")
 
 
 @dataclass
@@ -52,11 +57,27 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
     centroid_classes: int = 0
+    # The whole test set in each client's current concept, in the rounds it is measured.
+    generalized: dict[int, float] = field(default_factory=dict)
+    # Clustered heads (FedCCFA): clusters[c][i] is the cluster of client cluster_partitions[i]
+    # for class c (-1: the class is absent on that client).
+    cluster_partitions: list[int] = field(default_factory=list)
+    clusters: list[list[int]] = field(default_factory=list)
 
     @property
     def mean_accuracy(self) -> float:
         """Unweighted mean of the clients' personalized accuracies (the paper's metric)."""
         return float(np.mean(list(self.accuracy.values()))) if self.accuracy else float("nan")
+
+    @property
+    def mean_generalized_accuracy(self) -> float:
+        """Unweighted mean of the clients' generalized accuracies (FedCCFA's metric)."""
+        return float(np.mean(list(self.generalized.values()))) if self.generalized else float("nan")
+
+    @property
+    def clusters_per_class(self) -> list[int]:
+        """How many clusters each class has this round (absent clients not counted)."""
+        return [len({label for label in labels if label >= 0}) for labels in self.clusters]
 
     @property
     def mean_train_loss(self) -> float:
@@ -89,12 +110,15 @@ class RunReport:
 
     def round_line(self, record: RoundRecord) -> str:
         acc = list(record.accuracy.values())
+        generalized = (f" | generalized {100 * record.mean_generalized_accuracy:.2f}%"
+                       if record.generalized else "")
+        clusters = (f" | clusters per class {record.clusters_per_class}" if record.clusters else "")
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
-            f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients) | "
+            f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized} | "
             f"{len(record.train)} trained, loss {record.mean_train_loss:.4f} | "
-            f"QP fallbacks {record.qp_fallbacks} | {record.seconds:.1f}s"
+            f"QP fallbacks {record.qp_fallbacks}{clusters} | {record.seconds:.1f}s"
         )
 
     # ------------------------------------------------------------------ tables
@@ -108,10 +132,12 @@ class RunReport:
                 rows.append({
                     "round": r.round, "partition_id": pid, "group": self.group_of(pid),
                     "trained": int(pid in r.train), "accuracy": r.accuracy.get(pid, ""),
+                    "generalized_accuracy": r.generalized.get(pid, ""),
                     "test_loss": r.test_loss.get(pid, ""),
                     "num_examples": int(train["num-examples"]) if train else "",
                     "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
                     "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
+                    "align_weight": train.get("align-weight", ""),
                     "train_seconds": train.get("train-seconds", ""),
                     "eval_seconds": r.eval_seconds.get(pid, ""),
                     "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
@@ -126,14 +152,24 @@ class RunReport:
             rows.append({
                 "round": r.round, "mean_accuracy": r.mean_accuracy,
                 "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
+                "mean_generalized_accuracy": r.mean_generalized_accuracy if r.generalized else "",
                 "num_evaluated": len(acc), "num_trained": len(r.train),
                 "mean_train_loss": r.mean_train_loss if r.train else "",
                 "qp_fallbacks": r.qp_fallbacks,
                 "centroid_classes": r.centroid_classes,
+                "mean_clusters_per_class": float(np.mean(r.clusters_per_class)) if r.clusters else "",
                 "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
                 "seconds": r.seconds,
             })
         return rows
+
+    def cluster_rows(self) -> list[dict]:
+        return [
+            {"round": r.round, "class": c, "partition_id": pid, "cluster": label}
+            for r in self.rounds
+            for c, labels in enumerate(r.clusters)
+            for pid, label in zip(r.cluster_partitions, labels)
+        ]
 
     @staticmethod
     def _csv(rows: list[dict], columns: tuple[str, ...]) -> bytes:
@@ -144,9 +180,11 @@ class RunReport:
         return buffer.getvalue().encode()
 
     def write(self) -> None:
-        """Rewrite metrics.json, rounds.csv, clients.csv, accuracy.png and alpha.png."""
+        """Rewrite metrics.json, rounds.csv, clients.csv, accuracy.png, and alpha.png (mixed
+        heads) or clusters.csv and clusters.png (clustered heads)."""
         records = [
             {**asdict(r), "mean_accuracy": r.mean_accuracy,
+             **({"mean_generalized_accuracy": r.mean_generalized_accuracy} if r.generalized else {}),
              "group": {pid: self.group_of(pid) for pid in sorted(set(r.accuracy) | set(r.train))}}
             for r in self.rounds
         ]
@@ -154,10 +192,24 @@ class RunReport:
         atomic_write(self.directory / "metrics.json", json.dumps(document, separators=(",", ":")).encode())
         atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
         atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
-        self.plot_accuracy(self.directory / "accuracy.png")
+        clustered = any(r.clusters for r in self.rounds)
+        if clustered:
+            atomic_write(self.directory / "clusters.csv", self._csv(self.cluster_rows(), CLUSTER_COLUMNS))
+        self._chart(self.plot_accuracy, self.directory / "accuracy.png")
         latest = next((r for r in reversed(self.rounds) if r.alpha), None)
         if latest is not None:
-            self.plot_alpha(latest, self.directory / "alpha.png")
+            self._chart(lambda path: self.plot_alpha(latest, path), self.directory / "alpha.png")
+        if clustered:
+            self._chart(self.plot_clusters, self.directory / "clusters.png")
+
+    @staticmethod
+    def _chart(plot: Callable[[Path], None], path: Path) -> None:
+        """``plot(path)``; a failure is logged and the run goes on."""
+        try:
+            plot(path)
+        except Exception as err:  # pylint: disable=broad-exception-caught  # a chart is optional
+            plt.close("all")  # a figure that failed to render is still open
+            log(WARNING, "could not write the chart %s, the run goes on: %s", path, err)
 
     # ------------------------------------------------------------------ plots
 
@@ -169,11 +221,39 @@ class RunReport:
             ax.fill_between(rounds, [a.min() for a in per_round], [a.max() for a in per_round],
                             alpha=0.2, label="client min-max")
             ax.plot(rounds, [a.mean() for a in per_round], marker="o", markersize=3, label="mean")
+        measured = [r for r in self.rounds if r.generalized]
+        if measured:
+            ax.plot([r.round for r in measured], [100 * r.mean_generalized_accuracy for r in measured],
+                    marker="s", markersize=4, linestyle="--", label="generalized (mean)")
+        for i, change in enumerate(self.drift_rounds()):
+            ax.axvline(change, color="red", linestyle=":", alpha=0.7, label="concept drift" if i == 0 else None)
         ax.set_xlabel("round")
         ax.set_ylabel("personalized test accuracy (%)")
         ax.set_title(str(self.config.get("strategy", "fedpac")))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
+        self._save(fig, path)
+
+    def drift_rounds(self) -> tuple[int, ...]:
+        """The first rounds of a new concept, for the plot's markers (none without drift)."""
+        drift = Drift(str(self.config.get("drift", "none")),
+                      tuple(int(r) for r in str(self.config.get("drift_rounds", "")).split(",") if r.strip()))
+        return tuple(r for r in drift.change_rounds if r <= self.num_rounds)
+
+    def plot_clusters(self, path: Path) -> None:
+        """Clusters per class over the rounds: how the clients' concepts of each class split."""
+        measured = [r for r in self.rounds if r.clusters]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in range(len(measured[-1].clusters)):
+            ax.plot([r.round for r in measured], [r.clusters_per_class[c] for r in measured],
+                    marker=".", label=f"class {c}")
+        for change in self.drift_rounds():
+            ax.axvline(change, color="red", linestyle=":", alpha=0.7)
+        ax.set_xlabel("round")
+        ax.set_ylabel("clusters")
+        ax.set_title(f"{self.config.get('strategy', '')}: clusters per class")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
         self._save(fig, path)
 
     def plot_alpha(self, record: RoundRecord, path: Path) -> None:

@@ -25,8 +25,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import RoundAggregate, aggregate_round
-from common.methods import FEDPAC, Method, Rule
+from common.aggregation import Clustering, RoundAggregate, aggregate_round
+from common.methods import FEDPAC, Alignment, Method, Rule
 from server_app.replies import (
     ClientEvaluation,
     ClientUpdate,
@@ -81,6 +81,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     qp_solver : str
         ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
         ``cvxpy`` (one cvxpy solve per client, the reference).
+    clustering : Clustering
+        Clustered heads only (FedCCFA): the DBSCAN radius, member weights and anchor mode.
     seed : int
         Seeds node sampling.
     on_round_end : callable, optional
@@ -101,6 +103,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         qp_solver: str = "vectorized",
         min_train_replies: int = 1,
         max_failed_rounds: int = 3,
+        clustering: Clustering | None = None,
         seed: int = 0,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
@@ -116,6 +119,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.min_train_replies = min_train_replies
         self.max_failed_rounds = max_failed_rounds
         self.failed_rounds = 0  # consecutive rounds without enough valid replies
+        self.clustering = clustering or Clustering()
         self.seed = seed
         self.on_round_end = on_round_end
         # State, every per-client entry keyed by partition-id (node ids change between runs).
@@ -125,6 +129,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         num_classes, dim = initial_head["head.weight"].shape
         self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
+        # Per-client alignment targets (FedCCFA's cluster anchors): (K, d) values, (K,) mask.
+        self.anchors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.node_partition: dict[int, int] = {}
         self.num_partitions: int | None = None  # as the clients report it at discovery
         self.discovery_timeout: float | None = None  # set once discover() has run
@@ -142,13 +148,17 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """Log the strategy's configuration."""
         method = self.method
         log(INFO, "\t├──> Method %s: extractor %s, head %s, feature alignment %s", method.name,
-            method.extractor.value, method.head.value, "on" if method.alignment else "off")
+            method.extractor.value, method.head.value, method.alignment.value)
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
             "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
             self.fraction_evaluate, self.min_available_nodes)
         if method.head is Rule.MIX:
             log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
                 self.qp_solver, self.alpha_threshold)
+        if method.head is Rule.CLUSTER:
+            log(INFO, "\t└──> Class-level clustering: MADD radius %g, %s member weights, %s anchors",
+                self.clustering.eps, self.clustering.weights,
+                "clustered" if self.clustering.clustered_anchors else "global")
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue from a checkpoint: its heads, extractors, centroids and round count."""
@@ -158,6 +168,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.local_extractors = {pid: dict(ex) for pid, ex in checkpoint.client_extractors.items()}
         self.centroids = checkpoint.centroids.astype(np.float32)
         self.centroid_mask = checkpoint.centroid_mask.astype(bool)
+        self.anchors = {pid: (values.astype(np.float32), mask.astype(bool))
+                        for pid, (values, mask) in checkpoint.anchors.items()}
         self.extractor = dict(checkpoint.extractor)
         self.round_offset = checkpoint.completed_rounds
 
@@ -269,9 +281,20 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def head_of(self, node_id: int) -> p.NDArrays:
         """The head for the client on ``node_id``: its personalized head phi^_i (initial if it
         never trained), or the global head when the method averages heads (FedAvg)."""
-        if self.method.head is Rule.AVERAGE:
+        if not self.method.personal_heads:
             return self.global_head
         return self.heads.get(self.node_partition.get(node_id), self.initial_head)
+
+    def alignment_targets(self, node_id: int) -> p.NDArrays:
+        """What the client on ``node_id`` aligns its features to: the global centroids
+        (FedPAC), or its own cluster anchors (FedCCFA; none before its first reply)."""
+        if self.method.alignment is Alignment.ANCHORS:
+            num_classes, dim = self.centroids.shape
+            no_anchors = (np.zeros((num_classes, dim), np.float32), np.zeros(num_classes, bool))
+            values, mask = self.anchors.get(self.node_partition.get(node_id), no_anchors)
+        else:
+            values, mask = self.centroids, self.centroid_mask
+        return {p.CENTROID_VALUES: values, p.CENTROID_MASK: mask.astype(np.uint8)}
 
     def extractor_of(self, node_id: int, extractor: p.NDArrays) -> p.NDArrays:
         """The extractor for the client on ``node_id``: the global one, or, when extractors stay
@@ -286,16 +309,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         messages = []
         for node_id in node_ids:
             # A fresh record per node: nothing mutable is shared between messages.
+            config = ConfigRecord({p.SERVER_ROUND: server_round})
             content = RecordDict(
                 {
                     p.ARRAYS: p.to_record({**self.extractor_of(node_id, extractor), **self.head_of(node_id)}),
-                    p.CONFIG: ConfigRecord({p.SERVER_ROUND: server_round}),
+                    p.CONFIG: config,
                 }
             )
             if message_type == MessageType.TRAIN and self.method.needs_centroids:
-                content[p.CENTROIDS] = p.to_record(
-                    {p.CENTROID_VALUES: self.centroids, p.CENTROID_MASK: self.centroid_mask.astype(np.uint8)}
-                )
+                content[p.CENTROIDS] = p.to_record(self.alignment_targets(node_id))
+            if message_type == MessageType.TRAIN and self.method.needs_initial_head:
+                content[p.INITIAL_HEAD] = p.to_record(self.initial_head)
+                config[p.HAS_PERSONAL_HEAD] = self.node_partition.get(node_id) in self.heads
             self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
             messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
         return messages
@@ -404,12 +429,17 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             alpha_threshold=self.alpha_threshold,
             solver=self.qp_solver,
             method=self.method,
+            balanced_heads=None if updates[0].balanced_head is None else [u.balanced_head for u in updates],
+            clustering=self.clustering,
         )
         self._store(updates, result)
         if result.collaboration is not None:
             record.alpha_partitions = [u.partition_id for u in updates]
             record.alpha = result.collaboration.alpha.tolist()
             record.solver_status = result.collaboration.status
+        if result.clusters is not None:
+            record.cluster_partitions = [u.partition_id for u in updates]
+            record.clusters = result.clusters.labels.tolist()
         metrics = MetricRecord(
             {
                 "train-loss": record.mean_train_loss,
@@ -430,11 +460,14 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         else:
             for update in updates:
                 self.local_extractors[update.partition_id] = update.extractor
-        if self.method.head is Rule.AVERAGE:
+        if not self.method.personal_heads:
             self.global_head = result.heads[0]
         else:
             for update, head in zip(updates, result.heads):
                 self.heads[update.partition_id] = head
+        if result.clusters is not None:
+            for i, update in enumerate(updates):
+                self.anchors[update.partition_id] = (result.clusters.anchors[i], result.clusters.anchor_mask[i])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -457,6 +490,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
         record.test_loss = {e.partition_id: e.loss for e in evaluations}
         record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
+        record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
+                              if e.generalized_accuracy is not None}
         record.centroid_classes = int(self.centroid_mask.sum())
         record.seconds = time.time() - record.started
         for node_id, pid in self.node_partition.items():

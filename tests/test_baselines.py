@@ -15,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from client_app.app import app as client_app
-from client_app.train import local_update
+from client_app.train import Received, local_update
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS, Rule
@@ -257,18 +257,21 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     cfg = FedPACConfig(strategy=name, local_epochs=1, batch_size=8, fedrep_head_epochs=2)
     extractor_before = [q.detach().clone() for q in model.extractor.parameters()]
     head_before = [q.detach().clone() for q in model.head.parameters()]
-    update = local_update(model, x, y, torch.randn(10, 128), torch.ones(10, dtype=torch.bool), cfg,
-                          torch.Generator().manual_seed(0))
+    received = Received(server_round=cfg.align_from_round, targets=torch.randn(10, 128),
+                        target_mask=torch.ones(10, dtype=torch.bool),
+                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()})
+    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
     assert all(_changed(extractor_before, model.extractor)) and all(_changed(head_before, model.head))
     assert update.num_examples == len(x)
     assert (update.statistics is not None) == method.needs_statistics
     assert (update.centroids is not None) == method.needs_centroids
     assert (update.class_counts is not None) == method.sends_class_counts
-    assert (update.align_loss is not None) == method.alignment
-    if method.alignment:
+    assert (update.align_loss is not None) == method.needs_centroids
+    if method.needs_centroids:
         assert update.align_loss > 0
     if update.class_counts is not None:
         assert update.class_counts.tolist() == [8.0] * 5 + [0.0] * 5
+    assert (update.balanced_head is not None) == method.sends_balanced_head
 
 
 def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
@@ -276,7 +279,7 @@ def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
         model, x, y = _data()
         cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=head_epochs, local_epochs=1, batch_size=8)
         head_before = [q.detach().clone() for q in model.head.parameters()]
-        update = local_update(model, x, y, None, None, cfg, torch.Generator().manual_seed(0))
+        update = local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
         changed = _changed(head_before, model.head)
         assert all(changed) if head_epochs else not any(changed)
         assert (update.head_loss > 0) == (head_epochs > 0)
@@ -295,7 +298,7 @@ def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monke
     monkeypatch.setattr(train, "train_extractor", spy)
     model, x, y = _data()
     cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_body_epochs=2, local_epochs=5, batch_size=8)
-    local_update(model, x, y, None, None, cfg, torch.Generator().manual_seed(0))
+    local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
     assert seen == [2]
     assert FedPACConfig().fedrep_body_epochs == 1  # FedRep's own value
     with pytest.raises(ConfigError, match="'fedrep-body-epochs'.*>= 1"):

@@ -135,7 +135,8 @@ def test_sparsify_drops_small_weights_and_renormalizes():
 
 def test_mix_heads_combines_weight_and_bias_per_row():
     heads = [
-        {"head.weight": np.full((2, 3), float(j), dtype=np.float32), "head.bias": np.full(2, 10.0 * j, dtype=np.float32)}
+        {"head.weight": np.full((2, 3), float(j), dtype=np.float32),
+         "head.bias": np.full(2, 10.0 * j, dtype=np.float32)}
         for j in range(3)
     ]
     alpha = np.array([[1.0, 0, 0], [0.25, 0.25, 0.5]])

@@ -124,3 +124,21 @@ def test_invalid_config_fails_the_run_before_training(flower_env, tmp_path):
     log = run_log(flower_env, run_id)
     assert "'uniform-share' = 150.0 is invalid: must be in [0, 100]" in log
     assert "configure_train" not in log
+
+
+def test_fedccfa_under_a_sudden_drift_through_flwr_run(flower_env, tmp_path):
+    run_id, status = flwr_run(
+        flower_env,
+        "strategy='fedccfa' drift='sudden' drift-rounds='1' generalized-every=1 num-server-rounds=3 "
+        f"samples-per-client=200 test-samples-per-client=50 align-from-round=2 output-dir='{tmp_path}'",
+        num_supernodes=4,
+    )
+    assert status == "finished:completed", run_log(flower_env, run_id)[-5000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    rounds = list(csv.DictReader((run_dir / "rounds.csv").open()))
+    assert [int(r["round"]) for r in rounds] == [1, 2, 3]
+    assert all(0.0 <= float(r["mean_generalized_accuracy"]) <= 1.0 for r in rounds)
+    clusters = list(csv.DictReader((run_dir / "clusters.csv").open()))
+    assert len(clusters) == 3 * 10 * 4  # rounds x classes x clients (every class present)
+    assert (run_dir / "clusters.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "generalized" in run_log(flower_env, run_id)

@@ -84,11 +84,32 @@ clients = 4
     (("clients = 3", ""), "no 'clients'"),
     (("paper = { fedpac = 91.83 }", "paper = { fedpac-colab = 89.92 }"),
      "experiments.tiny.settings.s-20.paper: fedpac-colab not among the experiment's methods"),
+    (("rounds = 2", 'rounds = 2\nmetric = "global"'),
+     "grid.metric must be one of 'personalized', 'generalized', got 'global'"),
+    (('title = "Tiny grid"', 'title = "Tiny grid"\nmetric = 1'),
+     "experiments.tiny.metric must be one of 'personalized', 'generalized', got 1"),
+    (("paper = { fedpac = 91.83 }", 'metric = "generalized"'),
+     "experiments.tiny.settings.s-20: unknown key(s) metric"),  # one metric per table
 ])
 def test_bad_grids_fail_before_anything_runs_and_say_why(tmp_path, change, fragment):
     with pytest.raises(GridError) as err:
         load_grid(_grid(tmp_path, TINY.replace(*change)))
     assert fragment in str(err.value)
+
+
+def test_the_metric_is_personalized_by_default_inherited_from_the_top_and_set_per_experiment(tmp_path):
+    (tiny,) = load_grid(_grid(tmp_path))
+    assert tiny.metric == "personalized"
+    text = 'metric = "generalized"\n' + TINY + """
+[experiments.local]
+metric = "personalized"
+methods = ["local"]
+[experiments.local.settings.s-20]
+"""
+    tiny, local = load_grid(_grid(tmp_path, text))
+    assert (tiny.metric, local.metric) == ("generalized", "personalized")
+    # the metric is what the table reports, not what a cell computes: the cells are the same
+    assert [c.key for _, c in tiny.cells()] == [c.key for _, c in load_grid(_grid(tmp_path))[0].cells()]
 
 
 GRIDS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "grids").glob("*.toml"))
@@ -103,6 +124,29 @@ def test_shipped_grids_are_valid_and_name_the_papers_numbers_only_for_their_own_
             assert set(setting.paper) <= set(experiment.methods), (experiment.name, setting.name)
 
 
+def test_the_fedccfa_drift_grid_has_the_papers_protocol_and_cells():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "grids" / "fmnist-drift.toml"
+    experiments = load_grid(path)
+    assert [e.name for e in experiments] == ["sudden", "recurrent", "incremental"]
+    assert all(e.metric == "generalized" and e.rounds == 200 and e.seeds == [0, 1, 2] for e in experiments)
+    # sudden: 2 settings x 5 methods x 3 seeds; recurrent, incremental: 1 x 2 x 3; none shared
+    assert [len(e.cells()) for e in experiments] == [30, 6, 6] and len(plan(experiments)) == 42
+    sudden = {s.name: s for s in experiments[0].settings}
+    assert (sudden["100-clients"].clients, sudden["20-clients"].clients) == (100, 20)
+    assert sudden["100-clients"].run_config["fraction-train"] == 0.2
+    assert sudden["100-clients"].run_config["full-last-round"] is False
+    assert "fraction-train" not in sudden["20-clients"].run_config  # full participation
+    assert sudden["20-clients"].paper == {"fedccfa": 89.50, "fedpac": 84.00, "fedrep": 81.99, "fedavg": 67.81}
+    assert sudden["100-clients"].paper["fedccfa"] == 89.39 and "local" not in sudden["100-clients"].paper
+    for experiment in experiments:
+        for setting, cell in experiment.cells():
+            config = cell.identity["config"]
+            assert config["drift"] == experiment.name and config["partition"] == "dirichlet-min"
+            assert (config["dataset"], config["batch_size"], config["generalized_every"]) == ("fashion-mnist", 64, 20)
+            assert (config["normalize_mean"], config["normalize_std"]) == ("0.1307", "0.3081")
+            assert not setting.paper or experiment.name == "sudden"
+
+
 def test_command_line_assignments_are_read_as_toml_or_plain_text():
     assert parse_assignment("fraction-train=0.3") == ("fraction-train", 0.3)
     assert parse_assignment("dataset='fashion-mnist'") == ("dataset", "fashion-mnist")
@@ -114,15 +158,21 @@ def test_command_line_assignments_are_read_as_toml_or_plain_text():
 # ---------------------------------------------------------------------------- a stand-in simulation
 
 
-def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-run1"):
-    """A run folder as the ServerApp writes it: metrics.json, checkpoint, final state when done."""
+def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-run1", generalized=None):
+    """A run folder as the ServerApp writes it: metrics.json, checkpoint, final state when done;
+    ``generalized`` maps the rounds that measured the generalized accuracy to its value."""
     run = directory / name
     run.mkdir(parents=True)
     config = {**cell.identity["config"], "output_dir": str(directory), "resume_from": ""}
     rounds = []
     for number, accuracy in enumerate(accuracies, start=1):
-        record = {"round": number, "mean_accuracy": accuracy, "accuracy": {str(p): accuracy for p in range(cell.clients)},
-                  "alpha": [], "alpha_partitions": [], "group": {str(p): p % 5 for p in range(cell.clients)}}
+        record = {"round": number, "mean_accuracy": accuracy,
+                  "accuracy": {str(p): accuracy for p in range(cell.clients)},
+                  "alpha": [], "alpha_partitions": [], "group": {str(p): p % 5 for p in range(cell.clients)},
+                  "generalized": {}}
+        if generalized and number in generalized:
+            record["generalized"] = {str(p): generalized[number] for p in range(cell.clients)}
+            record["mean_generalized_accuracy"] = generalized[number]
         if cell.method == "fedpac":
             record["alpha"] = np.eye(cell.clients).tolist()
             record["alpha_partitions"] = list(range(cell.clients))
@@ -196,7 +246,8 @@ def test_extend_continues_the_longest_finished_shorter_run_of_the_same_configura
     assert main([str(grid), "--out", str(out), "--methods", "fedavg,fedpac", "--rounds", "6", "--extend"],
                 execute=extending) == 0
     (fedavg, fedpac) = extending.calls
-    assert fedavg[2] is not None and json.loads((fedavg[2] / "metrics.json").read_text())["config"]["num_server_rounds"] == 3
+    assert fedavg[2] is not None
+    assert json.loads((fedavg[2] / "metrics.json").read_text())["config"]["num_server_rounds"] == 3
     assert fedpac[2] is None  # nothing shorter to continue: from round 1
     log = capsys.readouterr().out
     assert "extending the finished 3-round run" in log and "left" in log
@@ -266,6 +317,73 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     assert (report / "accuracy.png").stat().st_size > 0
     alphas = sorted(p.name for p in (report / "alpha").iterdir())
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
+
+
+class GeneralizedSimulation(FakeSimulation):
+    """Finishes cells with a generalized accuracy 10 points below the personalized one, measured
+    in round 1 and the last round (``generalized-every`` = 1 would measure every round)."""
+
+    def __init__(self, last_round=True):
+        super().__init__()
+        self.last_round = last_round
+
+    def __call__(self, cell, directory, resume_from, log_path):
+        self.calls.append((cell.method, cell.seed, resume_from))
+        log_path.write_text("simulated\n")
+        accuracy = {"fedavg": 0.80, "fedpac": 0.90}[cell.method] + 0.02 * cell.seed
+        rounds = [1, cell.rounds] if self.last_round else [1]
+        _fake_run(cell, directory, [accuracy] * cell.rounds, name=f"run-{len(self.calls)}",
+                  generalized={r: accuracy - 0.10 - 0.01 * r for r in rounds})
+        return 0
+
+
+def test_a_generalized_experiment_reports_the_last_rounds_generalized_accuracy(tmp_path, capsys):
+    from experiments.summary import drift_rounds
+
+    text = TINY.replace("rounds = 2", 'rounds = 3\nmetric = "generalized"').replace(
+        "batch-size = 20", "batch-size = 20\ndrift = \"sudden\"\ndrift-rounds = \"1\"\ngeneralized-every = 2")
+    grid, out = _grid(tmp_path, text), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--seeds", "0,1"], execute=GeneralizedSimulation()) == 0
+    log = capsys.readouterr().out
+    # fedavg seed 0: personalized 80 %, generalized in the last round 80 - 10 - 3 = 67 %
+    assert "tiny/s-20 | fedavg | seed 0: done in" in log
+    assert "final accuracy 67.00% generalized, 80.00% personalized" in log
+    report = out / "tiny"
+    rows = {r["method"]: r for r in csv.DictReader((report / "summary.csv").open())}
+    assert list(rows["fedavg"]) == ["method", "setting", "clients", "rounds", "seeds", "mean", "std",
+                                    "personalized_mean", "personalized_std"]
+    assert float(rows["fedavg"]["mean"]) == pytest.approx(68.0)  # 67 and 69
+    assert float(rows["fedpac"]["mean"]) == pytest.approx(78.0)
+    assert float(rows["fedpac"]["std"]) == pytest.approx(math.sqrt(2), abs=1e-4)
+    assert float(rows["fedpac"]["personalized_mean"]) == pytest.approx(91.0)
+    table = (report / "table.md").read_text()
+    assert "Final mean generalized test accuracy (%)" in table
+    assert "| fedpac | 78.00 ± 1.41 (n=2) (91.83) |" in table  # the paper's value next to ours
+    assert "final mean personalized test accuracy (%)" in table and "| fedpac | 91.00 ± 1.41 (n=2) |" in table
+    generalized = list(csv.DictReader((report / "curves-generalized.csv").open()))
+    assert [(r["method"], r["round"]) for r in generalized] == [
+        ("fedavg", "1"), ("fedavg", "3"), ("fedpac", "1"), ("fedpac", "3")]
+    assert (report / "accuracy.png").stat().st_size > 0
+    (experiment,) = load_grid(grid)
+    assert drift_rounds(experiment, experiment.settings[0]) == (2,)  # a drift at 1 (0-based): from round 2
+
+    # a last round without the generalized accuracy is blank, not its personalized accuracy
+    again = tmp_path / "again"
+    assert main([str(grid), "--out", str(again), "--methods", "fedavg"],
+                execute=GeneralizedSimulation(last_round=False)) == 0
+    (row,) = csv.DictReader((again / "tiny" / "summary.csv").open())
+    assert (row["mean"], row["std"], row["personalized_mean"]) == ("", "", "80.0")
+    assert "| fedavg | n/a (n=1) |" in (again / "tiny" / "table.md").read_text()
+
+
+def test_a_personalized_experiment_ignores_the_generalized_accuracy(tmp_path):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out)], execute=GeneralizedSimulation()) == 0
+    rows = list(csv.DictReader((out / "tiny" / "summary.csv").open()))
+    assert list(rows[0]) == ["method", "setting", "clients", "rounds", "seeds", "mean", "std"]
+    assert float(rows[0]["mean"]) == pytest.approx(80.0)
+    assert "Final mean personalized test accuracy (%)" in (out / "tiny" / "table.md").read_text()
+    assert not (out / "tiny" / "curves-generalized.csv").exists()
 
 
 # ---------------------------------------------------------------------------- real simulations

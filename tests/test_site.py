@@ -35,7 +35,8 @@ import warm_executor  # noqa: E402  pylint: disable=wrong-import-position
 
 def test_named_datasets_normalize_with_their_training_sets_statistics():
     mean, std = normalization(load_embedded_mnist().train_images)
-    assert DATASET_NORMALIZATION["mnist-5k"] == ((pytest.approx(mean[0], abs=1e-15),), (pytest.approx(std[0], abs=1e-15),))
+    expected = ((pytest.approx(mean[0], abs=1e-15),), (pytest.approx(std[0], abs=1e-15),))
+    assert DATASET_NORMALIZATION["mnist-5k"] == expected
     assert set(DATASET_NORMALIZATION) == {"mnist-5k", "fashion-mnist", "mnist", "cifar10"}
 
 
@@ -102,7 +103,8 @@ def test_predict_command_reads_a_folder_of_images_and_reports_errors(tmp_path, c
         Image.fromarray(np.full((28, 28), 40 * i, dtype=np.uint8)).save(tmp_path / "images" / f"{i}.png")
     assert site_model.main([str(tmp_path / "site"), str(tmp_path / "images")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "image,class,confidence" and [line.split(",")[0] for line in lines[1:]] == ["0.png", "1.png", "2.png"]
+    assert lines[0] == "image,class,confidence"
+    assert [line.split(",")[0] for line in lines[1:]] == ["0.png", "1.png", "2.png"]
     assert site_model.main([str(tmp_path / "nothing"), str(tmp_path / "images")]) == 2
     assert "holds no site model" in capsys.readouterr().err
     assert json.loads((tmp_path / "site" / "model.json").read_text())["method"] == "fedper"

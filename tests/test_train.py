@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from client_app.train import alignment_loss, local_update, train_extractor, train_head
+from client_app.train import Received, alignment_loss, local_update, train_extractor, train_head
 from common.config import FedPACConfig
 from common.model import FedPACNet
 from common.statistics import class_feature_sums, feature_statistics
@@ -62,7 +62,8 @@ def test_extractor_epochs_leave_head_untouched_and_use_alignment():
     head_before = _params(model.head)
     centroids = torch.randn(10, 128)
     mask = torch.ones(10, dtype=torch.bool)
-    _, align = train_extractor(model, x, y, centroids, mask, CFG, torch.Generator().manual_seed(0))
+    _, align = train_extractor(model, x, y, CFG, torch.Generator().manual_seed(0),
+                               lambda f, labels: alignment_loss(f, labels, centroids, mask), weight=1.0)
     assert not any(_changed(head_before, model.head))
     assert all(p.requires_grad for p in model.head.parameters())  # unfrozen afterwards
     assert align > 0
@@ -73,8 +74,11 @@ def test_lambda_changes_the_extractor_update():
     for lam in (0.0, 1.0):
         model, x, y = _model_and_data()
         cfg = dataclasses.replace(CFG, lambda_align=lam)
-        train_extractor(model, x, y, torch.randn(10, 128, generator=torch.Generator().manual_seed(1)),
-                        torch.ones(10, dtype=torch.bool), cfg, torch.Generator().manual_seed(0))
+        centroids = torch.randn(10, 128, generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(10, dtype=torch.bool)
+        train_extractor(model, x, y, cfg, torch.Generator().manual_seed(0),
+                        lambda f, labels, c=centroids, m=mask: alignment_loss(f, labels, c, m),
+                        weight=cfg.lambda_align)
         runs.append(_params(model.extractor))
     assert any(not torch.equal(a, b) for a, b in zip(*runs))
 
@@ -82,8 +86,8 @@ def test_lambda_changes_the_extractor_update():
 def test_local_update_statistics_come_from_received_model_and_centroids_from_trained():
     model, x, y = _model_and_data()
     expected_before = feature_statistics(class_feature_sums(model.extractor, x, y, 10))
-    update = local_update(model, x, y, torch.zeros(10, 128), torch.zeros(10, dtype=torch.bool), CFG,
-                          torch.Generator().manual_seed(0))
+    received = Received(targets=torch.zeros(10, 128), target_mask=torch.zeros(10, dtype=torch.bool))
+    update = local_update(model, x, y, received, CFG, torch.Generator().manual_seed(0))
     assert update.statistics.v == expected_before.v
     assert torch.equal(update.statistics.h, expected_before.h)
     after = class_feature_sums(model.extractor, x, y, 10)
@@ -96,8 +100,8 @@ def test_mixed_precision_trains_and_keeps_float32_weights():
     model, x, y = _model_and_data()
     cfg = dataclasses.replace(CFG, mixed_precision=True, local_epochs=2)
     head_before = _params(model.head)
-    update = local_update(model, x, y, torch.randn(10, 128), torch.ones(10, dtype=torch.bool), cfg,
-                          torch.Generator().manual_seed(0))
+    received = Received(targets=torch.randn(10, 128), target_mask=torch.ones(10, dtype=torch.bool))
+    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(_changed(head_before, model.head))
     assert torch.isfinite(torch.tensor([update.train_loss, update.head_loss, update.align_loss])).all()

@@ -1,0 +1,235 @@
+"""FedCCFA in the harness: its client routine, its alignment loss, and whole runs under drift.
+
+The server's clustering and merging are tested on their own in ``test_clustering``; the drift
+maps and the partition in ``test_drift`` and ``test_partition``. Here: the pieces the client
+adds (balanced sample, balanced head from phi^0, contrastive alignment from its round on), and
+runs through the real ServerApp and ClientApp in process: a sudden drift seen in the labels the
+clients train on, generalized accuracy in the rounds it is due, clusters and anchors in the
+outputs and the checkpoint, and an exact resume.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import MessageType
+
+from client_app.train import Received, balanced_sample, contrastive_alignment_loss, local_update
+from common import protocol as p
+from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.model import FedPACNet
+from federation import InProcessGrid
+from server_app.app import run_fedpac
+from server_app.checkpoint import load_checkpoint
+
+RUN_CONFIG = {
+    "strategy": "fedccfa",
+    "samples-per-client": 60,
+    "test-samples-per-client": 30,
+    "local-epochs": 1,
+    "batch-size": 20,
+    "balanced-epochs": 2,
+    "momentum": 0.9,
+    "weight-decay": 1e-5,
+    "align-from-round": 2,
+}
+
+
+# ---------------------------------------------------------------------------- client pieces
+
+
+def test_contrastive_alignment_matches_its_definition():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(12, 8, generator=generator)
+    anchors = torch.randn(5, 8, generator=generator)
+    labels = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 1, 3])
+    mask = torch.tensor([True, True, False, True, True])
+    tau = 0.1
+    expected = 0.0
+    for f, y in zip(features, labels):
+        if not mask[y]:
+            continue  # no anchor for this class: contributes zero, still counts in the batch
+        logits = torch.stack([F.cosine_similarity(f, a, dim=0) / tau for a, m in zip(anchors, mask) if m])
+        target = int(mask[:y].sum())  # the label's position among the anchored classes
+        expected += float(-torch.log_softmax(logits, dim=0)[target])
+    expected /= len(labels)
+    got = contrastive_alignment_loss(features, labels, anchors, mask, tau)
+    assert math.isclose(float(got), expected, rel_tol=1e-5)
+
+
+def test_contrastive_alignment_pulls_features_towards_their_anchor_and_only_features():
+    anchors = torch.eye(3, 4)
+    features = torch.tensor([[0.2, 1.0, 0.0, 0.0]], requires_grad=True)
+    loss = contrastive_alignment_loss(features, torch.tensor([0]), anchors, torch.ones(3, dtype=torch.bool), 0.1)
+    loss.backward()
+    assert features.grad[0, 0] < 0 < features.grad[0, 1]  # towards anchor 0, away from anchor 1
+    assert not anchors.requires_grad
+
+
+def test_balanced_sample_takes_m_of_every_present_class_without_replacement():
+    y = torch.tensor([0] * 9 + [2] * 3 + [5] * 20)
+    idx = balanced_sample(y, 5, torch.Generator().manual_seed(0))
+    assert len(set(idx.tolist())) == len(idx)
+    counts = torch.bincount(y[idx], minlength=6)
+    assert counts.tolist() == [3, 0, 3, 0, 0, 3]  # m = min(5, smallest present count 3)
+    other = balanced_sample(y, 5, torch.Generator().manual_seed(1))
+    assert sorted(idx.tolist()) != sorted(other.tolist())  # a fresh draw per round
+
+
+def _client_data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 1, 28, 28, generator=generator)
+    y = torch.arange(40) % 4
+    return x, y
+
+
+def _model(seed: int) -> FedPACNet:
+    torch.manual_seed(seed)
+    return FedPACNet(1, 28, 10)
+
+
+def test_balanced_head_starts_from_phi0_whatever_head_the_client_holds():
+    x, y = _client_data()
+    cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, balanced_epochs=2)
+    initial = {k: v.clone() for k, v in _model(1).head.state_dict().items()}
+    balanced = []
+    for personal_seed in (2, 3):
+        model = _model(0)
+        model.head.load_state_dict(_model(personal_seed).head.state_dict())
+        received = Received(server_round=1, initial_head=initial, has_personal_head=True)
+        update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
+        balanced.append(update.balanced_head)
+    for key in initial:
+        torch.testing.assert_close(balanced[0][key], balanced[1][key])
+
+
+def test_a_first_participant_starts_its_personal_head_from_its_balanced_head():
+    x, y = _client_data()
+    cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, head_epochs=0)
+    initial = {k: v.clone() for k, v in _model(1).head.state_dict().items()}
+    model = _model(0)
+    update = local_update(model, x, y, Received(initial_head=initial, has_personal_head=False), cfg,
+                          torch.Generator().manual_seed(0))
+    for key, value in model.head.state_dict().items():  # zero personal-head epochs: unchanged since
+        torch.testing.assert_close(value, update.balanced_head[key])
+
+
+@pytest.mark.parametrize("server_round, aligned", [(20, False), (21, True)])
+def test_alignment_starts_at_align_from_round_and_is_weighted_by_label_entropy(server_round, aligned):
+    x, y = _client_data()
+    cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, balanced_epochs=1)
+    model = _model(0)
+    received = Received(server_round=server_round, targets=torch.randn(10, 128),
+                        target_mask=torch.ones(10, dtype=torch.bool),
+                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()})
+    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
+    assert (update.align_loss > 0) == aligned
+    assert math.isclose(update.align_weight, math.log(4) / cfg.align_gamma)  # 4 equal classes
+    assert update.class_counts.tolist() == [10.0] * 4 + [0.0] * 6
+
+
+def test_drift_keys_are_checked_before_any_training():
+    with pytest.raises(ConfigError, match="drift"):
+        parse_run_config({"drift": "sideways"})
+    with pytest.raises(ConfigError, match="drift-rounds"):
+        parse_run_config({"drift": "recurrent", "drift-rounds": "150,100"})
+    with pytest.raises(ConfigError, match="drift-rounds"):
+        parse_run_config({"drift": "none", "drift-rounds": "100"})
+    with pytest.raises(ConfigError, match="cluster-weights"):
+        parse_run_config({"cluster-weights": "size"})
+
+
+# ---------------------------------------------------------------------------- whole runs
+
+
+class StatisticsByRound:
+    """Keeps every training reply's class counts, per partition-id, in round order."""
+
+    def __init__(self):
+        self.counts: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, reply, pid):
+        if reply.metadata.message_type == MessageType.TRAIN and reply.has_content():
+            stats = p.from_record(reply.content[p.STATISTICS])
+            self.counts.setdefault(pid, []).append(stats[p.CLASS_COUNTS])
+        return reply
+
+
+def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
+    config = {**RUN_CONFIG, "num-server-rounds": 4, "drift": "sudden", "drift-rounds": "2",
+              "generalized-every": 2, "partition": "dirichlet-min", "output-dir": str(tmp_path)}
+    recorder = StatisticsByRound()
+    grid = InProcessGrid(config, 6, tamper=recorder)
+    strategy, report = run_fedpac(grid, parse_run_config(config), 1)
+
+    assert [r.round for r in report.rounds] == [1, 2, 3, 4]
+    for record in report.rounds:
+        assert sorted(record.train) == sorted(record.accuracy) == list(range(6))
+        # generalized accuracy exactly in the rounds it is due (every 2nd and the last)
+        assert sorted(record.generalized) == (list(range(6)) if record.round % 2 == 0 else [])
+        assert all(0.0 <= a <= 1.0 for a in record.generalized.values())
+        assert record.cluster_partitions == list(range(6)) and len(record.clusters) == 10
+        assert all(0 <= label < 6 for labels in record.clusters for label in labels)  # every class present
+    # the drift at (0-based) round 2 swaps labels from round 3 on: partition 0 swaps 1 <-> 2,
+    # partition 3 swaps 3 <-> 4; the clients' own class counts show it
+    for pid, (a, b) in ((0, (1, 2)), (3, (3, 4))):
+        before, after = recorder.counts[pid][1], recorder.counts[pid][2]
+        swapped = before.copy()
+        swapped[[a, b]] = before[[b, a]]
+        np.testing.assert_array_equal(after, swapped)
+        assert before[a] != before[b]  # the swap is visible
+    # alignment from align-from-round on, once anchors exist
+    assert all("align-loss" in m and m["align-loss"] == 0 for m in report.rounds[0].train.values())
+    assert all(m["align-loss"] > 0 for m in report.rounds[2].train.values())
+    # phi^0 goes to every client every round; has-personal-head only after a first reply
+    trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    initial = strategy.initial_head
+    for message in trains:
+        sent = p.from_record(message.content[p.INITIAL_HEAD])
+        for key, value in initial.items():
+            np.testing.assert_array_equal(sent[key], value)
+    flags = [bool(m.content[p.CONFIG][p.HAS_PERSONAL_HEAD]) for m in trains]
+    assert flags == [False] * 6 + [True] * 18
+
+    (run_dir,) = tmp_path.iterdir()
+    for name in ("clusters.csv", "clusters.png", "accuracy.png", "rounds.csv", "clients.csv"):
+        assert (run_dir / name).stat().st_size > 0
+    rounds_csv = (run_dir / "rounds.csv").read_text().splitlines()
+    header = rounds_csv[0].split(",")
+    generalized = [row.split(",")[header.index("mean_generalized_accuracy")] for row in rounds_csv[1:]]
+    assert [bool(g) for g in generalized] == [False, True, False, True]
+    assert len((run_dir / "clusters.csv").read_text().splitlines()) == 1 + 4 * 10 * 6
+    checkpoint = load_checkpoint(run_dir)
+    assert sorted(checkpoint.anchors) == list(range(6))
+    for values, mask in checkpoint.anchors.values():
+        assert values.shape == (10, 128) and mask.all()
+    assert json.loads((run_dir / "metrics.json").read_text())["rounds"][-1]["generalized"]
+
+
+def test_fedccfa_with_drift_resumes_exactly(tmp_path):
+    base = {**RUN_CONFIG, "num-server-rounds": 4, "drift": "sudden", "drift-rounds": "1",
+            "fraction-train": 0.5}
+
+    def run(name, grid_seed, **extra):
+        config = {**base, "output-dir": str(tmp_path / name), **extra}
+        return run_fedpac(InProcessGrid(config, 6, seed=grid_seed), parse_run_config(config), 1)
+
+    full, full_report = run("full", 1)
+    config = {**base, "output-dir": str(tmp_path / "crashed")}
+    with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
+        run_fedpac(InProcessGrid(config, 6, seed=2, crash_at_round=3), parse_run_config(config), 2)
+    (crashed_dir,) = (tmp_path / "crashed").iterdir()
+    resumed, report = run("resumed", 3, **{"resume-from": str(crashed_dir)})
+
+    assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
+    assert [r.clusters for r in report.rounds] == [r.clusters for r in full_report.rounds]
+    assert sorted(resumed.anchors) == sorted(full.anchors)
+    for pid, (values, mask) in full.anchors.items():
+        np.testing.assert_array_equal(resumed.anchors[pid][0], values)
+        np.testing.assert_array_equal(resumed.anchors[pid][1], mask)
+    for pid, head in full.heads.items():
+        for key, value in head.items():
+            np.testing.assert_array_equal(resumed.heads[pid][key], value)
