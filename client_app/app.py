@@ -134,7 +134,7 @@ def _received(msg: Message, server_round: int, device: torch.device) -> Received
                         for key, value in p.from_record(msg.content[p.INITIAL_HEAD]).items()}
     config = msg.content[p.CONFIG]
     return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
-                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, True)))
+                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)))
 
 
 def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:

@@ -66,7 +66,7 @@ class Received:
     targets: torch.Tensor | None = None
     target_mask: torch.Tensor | None = None
     initial_head: dict[str, torch.Tensor] = field(default_factory=dict)
-    has_personal_head: bool = True
+    has_personal_head: bool = False
 
 
 # An alignment term: (features, labels) -> a scalar loss; its weight is applied by the caller.
@@ -131,7 +131,8 @@ def train_head(  # pylint: disable=too-many-arguments
 ) -> float:
     """Epochs of the head alone on frozen features; returns the mean CE.
 
-    Defaults to FedPAC's ``head-epochs`` at ``head-lr``; FedRep and FedAvg-FT pass their own.
+    Defaults to FedPAC's ``head-epochs`` at ``head-lr`` (also FedCCFA's personal head); FedRep,
+    FedAvg-FT and FedCCFA's balanced head pass their own.
     """
     epochs = cfg.head_epochs if epochs is None else epochs
     if epochs == 0:
@@ -282,12 +283,13 @@ def balanced_sample(y: torch.Tensor, per_class: int, generator: torch.Generator)
     """Indices of m samples of every class present, m = min(``per_class``, the smallest count
     of a present class), drawn without replacement (FedCCFA's ``class_balance_sample``, over
     the classes actually present rather than assuming 0..C'-1)."""
-    counts = torch.bincount(y.cpu())
+    labels = y.cpu()
+    counts = torch.bincount(labels)
     present = torch.nonzero(counts).flatten()
     m = min(per_class, int(counts[present].min()))
     chosen = []
     for c in present.tolist():
-        members = torch.nonzero(y.cpu() == c).flatten()
+        members = torch.nonzero(labels == c).flatten()
         chosen.append(members[torch.randperm(len(members), generator=generator)[:m]])
     return torch.cat(chosen).to(y.device)
 

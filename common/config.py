@@ -208,8 +208,11 @@ def _validate(cfg: FedPACConfig) -> None:
                + (" > 0" if name == "normalize_std" else ""))
     _check(bool(cfg.normalize_mean.strip()) == bool(cfg.normalize_std.strip()), k("normalize_std"),
            cfg.normalize_std, "set together with normalize-mean (both or neither)")
-    for name in ("balanced_epochs", "balanced_samples_per_class", "align_from_round", "generalized_every",
-                 "min_train_per_class", "min_test_per_class"):
+    # a balanced head trained zero epochs is phi^0 for everyone: nothing would tell clients apart
+    for name in ("balanced_epochs", "balanced_samples_per_class"):
+        value = getattr(cfg, name)
+        _check(value >= 1, k(name), value, ">= 1")
+    for name in ("align_from_round", "generalized_every", "min_train_per_class", "min_test_per_class"):
         value = getattr(cfg, name)
         _check(value >= 0, k(name), value, ">= 0")
     for name in ("balanced_lr", "align_temperature"):

@@ -44,6 +44,10 @@ from server_app.report import RoundRecord
 DISCOVERY_ATTEMPT = 120.0
 
 
+# The anchors key of the one global anchor set (``clustered-anchors = false``): not a partition-id.
+GLOBAL_ANCHORS = -1
+
+
 class FederationStalled(RuntimeError):
     """Too many rounds in a row without enough valid replies: the run stops."""
 
@@ -126,7 +130,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.heads: dict[int, p.NDArrays] = {}  # personal heads (mixed or local)
         self.global_head: p.NDArrays = dict(initial_head)  # the one head when heads are averaged
         self.local_extractors: dict[int, p.NDArrays] = {}  # when extractors are not shared
-        num_classes, dim = initial_head["head.weight"].shape
+        num_classes, dim = initial_head[p.HEAD_WEIGHT].shape
         self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
         # Per-client alignment targets (FedCCFA's cluster anchors): (K, d) values, (K,) mask.
@@ -289,9 +293,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """What the client on ``node_id`` aligns its features to: the global centroids
         (FedPAC), or its own cluster anchors (FedCCFA; none before its first reply)."""
         if self.method.alignment is Alignment.ANCHORS:
-            num_classes, dim = self.centroids.shape
+            num_classes, dim = self.initial_head[p.HEAD_WEIGHT].shape
             no_anchors = (np.zeros((num_classes, dim), np.float32), np.zeros(num_classes, bool))
-            values, mask = self.anchors.get(self.node_partition.get(node_id), no_anchors)
+            owner = self.node_partition.get(node_id) if self.clustering.clustered_anchors else GLOBAL_ANCHORS
+            values, mask = self.anchors.get(owner, no_anchors)
         else:
             values, mask = self.centroids, self.centroid_mask
         return {p.CENTROID_VALUES: values, p.CENTROID_MASK: mask.astype(np.uint8)}
@@ -468,6 +473,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         if result.clusters is not None:
             for i, update in enumerate(updates):
                 self.anchors[update.partition_id] = (result.clusters.anchors[i], result.clusters.anchor_mask[i])
+            if not self.clustering.clustered_anchors:  # the round's mean, for every client from now on
+                self.anchors[GLOBAL_ANCHORS] = (result.clusters.anchors[0], result.clusters.anchor_mask[0])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

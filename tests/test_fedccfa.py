@@ -233,3 +233,23 @@ def test_fedccfa_with_drift_resumes_exactly(tmp_path):
     for pid, head in full.heads.items():
         for key, value in head.items():
             np.testing.assert_array_equal(resumed.heads[pid][key], value)
+
+
+def test_without_clustered_anchors_every_client_aligns_to_the_latest_round_mean(tmp_path):
+    config = {**RUN_CONFIG, "num-server-rounds": 3, "fraction-train": 0.5, "full-last-round": False,
+              "clustered-anchors": False, "output-dir": str(tmp_path)}
+    grid = InProcessGrid(config, 6)
+    strategy, _ = run_fedpac(grid, parse_run_config(config), 1)
+    trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    by_round: dict[int, list[dict]] = {}
+    for message in trains:
+        targets = p.from_record(message.content[p.CENTROIDS])
+        by_round.setdefault(int(message.content[p.CONFIG][p.SERVER_ROUND]), []).append(targets)
+    assert not any(t[p.CENTROID_MASK].any() for t in by_round[1])  # nothing before the first reply
+    for later in (2, 3):  # first participants included: one set for all, every class anchored
+        first = by_round[later][0]
+        assert first[p.CENTROID_MASK].all()
+        for targets in by_round[later][1:]:
+            np.testing.assert_array_equal(targets[p.CENTROID_VALUES], first[p.CENTROID_VALUES])
+    checkpoint = load_checkpoint(next(tmp_path.iterdir()))
+    np.testing.assert_array_equal(checkpoint.anchors[-1][0], strategy.anchors[-1][0])
