@@ -32,6 +32,18 @@ def weighted_average(
     return averaged
 
 
+def capped_sample_weights(num_examples: np.ndarray, max_ratio: float) -> np.ndarray:
+    """Each client's aggregation weight n_i, at most ``max_ratio`` times the round's median n.
+
+    n_i is what a client says it has: one client claiming far more samples than the others
+    would otherwise own the averages (eq. 18, 19). ``max_ratio`` = 0 keeps every n_i.
+    """
+    n = np.asarray(num_examples, dtype=np.float64)
+    if max_ratio <= 0 or len(n) == 0:
+        return n.copy()
+    return np.minimum(n, max_ratio * np.median(n))
+
+
 def aggregate_centroids(
     local_centroids: np.ndarray,
     class_counts: np.ndarray,

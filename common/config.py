@@ -38,6 +38,11 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     min_available_clients: int = 2
     min_train_replies: int = 1
     max_failed_rounds: int = 3
+    # Bounds on one client's influence: a reply (or pre-flight answer) with more training samples
+    # than max-samples-per-client is rejected (0: no bound), and a client's aggregation weight n_i
+    # is at most max-weight-ratio times the round's median n (0: no cap).
+    max_samples_per_client: int = 0
+    max_weight_ratio: float = 10.0
     fraction_evaluate: float = 1.0
     round_timeout: float = 3600.0
     # Local update (Section 4; Appendix B.3 of the paper)
@@ -161,6 +166,10 @@ def _validate(cfg: FedPACConfig) -> None:
     )
     _check(cfg.min_train_replies >= 1, k("min_train_replies"), cfg.min_train_replies, ">= 1")
     _check(cfg.max_failed_rounds >= 0, k("max_failed_rounds"), cfg.max_failed_rounds, ">= 0")
+    _check(cfg.max_samples_per_client >= 0, k("max_samples_per_client"), cfg.max_samples_per_client,
+           ">= 0 (0: no bound)")
+    _check(cfg.max_weight_ratio == 0 or cfg.max_weight_ratio >= 1, k("max_weight_ratio"), cfg.max_weight_ratio,
+           "0 (no cap) or >= 1")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
     _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
     _check(cfg.fedrep_body_epochs >= 1, k("fedrep_body_epochs"), cfg.fedrep_body_epochs, ">= 1")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
-from logging import INFO
+from dataclasses import asdict, fields
+from logging import ERROR, INFO
 from pathlib import Path
 
 import torch
@@ -74,6 +74,24 @@ def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Chec
     report.add(record)
 
 
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"'{value}'"
+    return repr(value)
+
+
+def resume_command(cfg: FedPACConfig, directory: Path) -> str:
+    """The command that continues this run from its checkpoint: ``flwr run`` with the run's
+    run-config keys that differ from the defaults, plus ``resume-from``."""
+    defaults = FedPACConfig()
+    keys = [f"{FedPACConfig.key(f.name)}={_toml(getattr(cfg, f.name))}" for f in fields(FedPACConfig)
+            if f.name != "resume_from" and getattr(cfg, f.name) != getattr(defaults, f.name)]
+    keys.append(f"resume-from={_toml(str(directory))}")
+    return f'flwr run . <federation> --run-config "{" ".join(keys)}"'
+
+
 def _resume(cfg: FedPACConfig) -> Checkpoint | None:
     if not cfg.resume_from:
         return None
@@ -114,6 +132,8 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         qp_solver=cfg.qp_solver,
         min_train_replies=cfg.min_train_replies,
         max_failed_rounds=cfg.max_failed_rounds,
+        max_samples_per_client=cfg.max_samples_per_client,
+        max_weight_ratio=cfg.max_weight_ratio,
         clustering=Clustering(cfg.cluster_eps, cfg.cluster_weights, cfg.clustered_anchors),
         seed=cfg.seed,
     )
@@ -139,19 +159,31 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             anchors=strategy.anchors,
         )
         write_round_outputs(report, record, checkpoint)
+        report.write_status("running", record.round, resume_command(cfg, directory))
 
     strategy.on_round_end = end_of_round
-    strategy.discover(grid, timeout=cfg.round_timeout)
-    remaining = cfg.num_server_rounds - strategy.round_offset
-    if remaining > 0:
-        strategy.start(
-            grid=grid, initial_arrays=p.to_record(extractor), num_rounds=remaining, timeout=cfg.round_timeout
-        )
-    else:
-        log(INFO, "Checkpoint already has %d rounds: nothing to train", strategy.round_offset)
-    if strategy.extractor is None:
-        strategy.extractor = extractor
-    save_final_state(strategy, directory / "final_state.npz")
+    resume = resume_command(cfg, directory)
+    completed = strategy.round_offset
+    report.write_status("running", completed, resume)
+    try:
+        strategy.discover(grid, timeout=cfg.round_timeout)
+        remaining = cfg.num_server_rounds - strategy.round_offset
+        if remaining > 0:
+            strategy.start(
+                grid=grid, initial_arrays=p.to_record(extractor), num_rounds=remaining, timeout=cfg.round_timeout
+            )
+        else:
+            log(INFO, "Checkpoint already has %d rounds: nothing to train", strategy.round_offset)
+        if strategy.extractor is None:
+            strategy.extractor = extractor
+        save_final_state(strategy, directory / "final_state.npz")
+    except BaseException as err:
+        completed = report.rounds[-1].round if report.rounds else strategy.round_offset
+        report.write_status("failed", completed, resume, f"{type(err).__name__}: {err}")
+        log(ERROR, "Run stopped after round %d of %d: %s. Continue with: %s", completed,
+            cfg.num_server_rounds, err, resume)
+        raise
+    report.write_status("finished", cfg.num_server_rounds, resume)
     return strategy, report
 
 

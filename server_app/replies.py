@@ -137,12 +137,18 @@ def _parse_statistics(msg: Message, expected: dict[str, tuple[int, ...]]) -> p.N
     return stats
 
 
-def parse_train_reply(
+def _check_sample_bound(num_examples: float, max_samples: int) -> None:
+    if max_samples and num_examples > max_samples:
+        raise InvalidReply(f"num-examples {num_examples:.0f} is above max-samples-per-client = {max_samples}")
+
+
+def parse_train_reply(  # pylint: disable=too-many-arguments
     msg: Message,
     extractor_template: p.NDArrays,
     head_template: p.NDArrays,
     num_partitions: int | None = None,
     method: Method = FEDPAC,
+    max_samples: int = 0,
 ) -> ClientUpdate:
     """Decode a training reply of ``method``, checking shapes, finiteness and count consistency.
 
@@ -164,6 +170,7 @@ def parse_train_reply(
     num_examples = _metric(metrics, p.NUM_EXAMPLES)
     if num_examples <= 0 or not num_examples.is_integer():
         raise InvalidReply(f"num-examples {num_examples} must be positive and a whole number")
+    _check_sample_bound(num_examples, max_samples)
     counts = None
     if p.CLASS_COUNTS in stats:
         counts = stats[p.CLASS_COUNTS].astype(np.float64)
@@ -208,7 +215,7 @@ class ClientInfo:
     test_examples: int
 
 
-def parse_query_reply(msg: Message) -> ClientInfo:
+def parse_query_reply(msg: Message, max_samples: int = 0) -> ClientInfo:
     """Decode a pre-flight (query) reply."""
     if msg.has_error():
         raise InvalidReply(msg.error.reason)
@@ -220,6 +227,7 @@ def parse_query_reply(msg: Message) -> ClientInfo:
     counts = [_metric(metrics, key) for key in (p.NUM_EXAMPLES, "test-examples")]
     if any(c <= 0 or not c.is_integer() for c in counts):
         raise InvalidReply(f"sample counts {counts} must be positive integers")
+    _check_sample_bound(counts[0], max_samples)
     return ClientInfo(
         partition_id=_partition_id(metrics, int(num_partitions)),
         num_partitions=int(num_partitions),

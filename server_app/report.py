@@ -102,6 +102,20 @@ class RunReport:
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
 
+    def write_status(self, state: str, completed_rounds: int, resume: str, error: str = "") -> None:
+        """``status.json``: where the run stands, for an operator and for scripts.
+
+        ``state`` is ``running`` (rewritten after every round, so a ``running`` status whose
+        ``updated`` time stopped moving is a ServerApp that died, with its SuperLink say),
+        ``finished`` or ``failed`` (with the error); ``resume`` continues from the checkpoint.
+        """
+        status = {
+            "state": state, "completed_rounds": completed_rounds, "num_rounds": self.num_rounds,
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(self.directory / "checkpoint.npz"),
+            "resume": resume, "error": error,
+        }
+        atomic_write(self.directory / "status.json", json.dumps(status, indent=2).encode())
+
     def add(self, record: RoundRecord) -> None:
         """Log the round's line and rewrite every output file."""
         self.rounds.append(record)

@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import Clustering, RoundAggregate, aggregate_round
+from common.aggregation import Clustering, RoundAggregate, aggregate_round, capped_sample_weights
 from common.methods import FEDPAC, Alignment, Method, Rule
 from server_app.replies import (
     ClientEvaluation,
@@ -85,6 +85,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     qp_solver : str
         ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
         ``cvxpy`` (one cvxpy solve per client, the reference).
+    max_samples_per_client : int
+        Replies claiming more training samples are rejected (0: no bound).
+    max_weight_ratio : float
+        A client's aggregation weight is at most this times the round's median (0: no cap).
     clustering : Clustering
         Clustered heads only (FedCCFA): the DBSCAN radius, member weights and anchor mode.
     seed : int
@@ -107,6 +111,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         qp_solver: str = "vectorized",
         min_train_replies: int = 1,
         max_failed_rounds: int = 3,
+        max_samples_per_client: int = 0,
+        max_weight_ratio: float = 10.0,
         clustering: Clustering | None = None,
         seed: int = 0,
         on_round_end: Callable[[RoundRecord], None] | None = None,
@@ -124,6 +130,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.max_failed_rounds = max_failed_rounds
         self.failed_rounds = 0  # consecutive rounds without enough valid replies
         self.clustering = clustering or Clustering()
+        self.max_samples_per_client = max_samples_per_client
+        self.max_weight_ratio = max_weight_ratio
         self.seed = seed
         self.on_round_end = on_round_end
         # State, every per-client entry keyed by partition-id (node ids change between runs).
@@ -218,7 +226,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         for reply in replies:
             node = reply.metadata.src_node_id
             try:
-                info = parse_query_reply(reply)
+                info = parse_query_reply(reply, self.max_samples_per_client)
             except InvalidReply as err:
                 problems.append(f"node {node}: {err}")
                 continue
@@ -395,7 +403,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         template = self.extractor_template
 
         def parse(msg: Message) -> ClientUpdate:
-            return parse_train_reply(msg, template, self.initial_head, self.num_partitions, self.method)
+            return parse_train_reply(msg, template, self.initial_head, self.num_partitions, self.method,
+                                     self.max_samples_per_client)
 
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
@@ -421,14 +430,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
         # Every input below is listed in the order of `updates` (sorted by partition-id), so
         # row i of alpha, h_i, V_i, n_i and head i all belong to the same client.
+        weights = self._sample_weights(updates)
+        counts = _stacked([u.class_counts for u in updates])
+        if counts is not None:  # a capped client's class counts shrink with its weight
+            counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
         result = aggregate_round(
             extractors=[u.extractor for u in updates],
             heads=[u.head for u in updates],
             local_centroids=_stacked([u.centroids for u in updates]),
-            class_counts=_stacked([u.class_counts for u in updates]),
+            class_counts=counts,
             h=_stacked([u.h for u in updates]),
             v=_stacked([u.v for u in updates]),
-            num_examples=np.array([u.num_examples for u in updates], dtype=np.float64),
+            num_examples=weights,
             previous_centroids=self.centroids,
             previous_mask=self.centroid_mask,
             alpha_threshold=self.alpha_threshold,
@@ -455,6 +468,17 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # Flower carries the global extractor to the next phase; Local-only has none to carry
         # and passes the initial one on unchanged (each client's own is in local_extractors).
         return p.to_record(self.extractor), metrics
+
+    def _sample_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
+        """n_i for the averages, capped at ``max_weight_ratio`` times the median (logged)."""
+        claimed = np.array([u.num_examples for u in updates], dtype=np.float64)
+        weights = capped_sample_weights(claimed, self.max_weight_ratio)
+        for update, n, w in zip(updates, claimed, weights):
+            if w < n:
+                log(WARNING, "partition %d reports %d training samples, more than max-weight-ratio = %g "
+                    "times the round's median %g: weighted as %g", update.partition_id, n,
+                    self.max_weight_ratio, np.median(claimed), w)
+        return weights
 
     def _store(self, updates: list[ClientUpdate], result: RoundAggregate) -> None:
         """Keep the round's outcome: the global parts, and the per-client parts by partition-id."""

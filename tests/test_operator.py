@@ -17,12 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flwr.app import MessageType
+
 import common.files
 import server_app.checkpoint
 import server_app.report
+from common import protocol as p
+from common.aggregation import capped_sample_weights, weighted_average
+from common.config import parse_run_config
 from common.data import DataError, load_client_directory, load_idx_dataset, read_idx
 from common.files import atomic_write
-from server_app.app import write_round_outputs
+from federation import InProcessGrid
+from server_app.app import run_fedpac, write_round_outputs
 from server_app.checkpoint import Checkpoint, load_checkpoint
 from server_app.report import RoundRecord, RunReport
 
@@ -456,3 +462,57 @@ def test_good_client_data_still_loads(tmp_path):
         data = load_client_directory(tmp_path / kind, num_classes=10)
         assert data.train_images.shape[1:] == (28, 28, 1) and len(data.test_labels) > 0
     assert load_idx_dataset("mnist", tmp_path / "idx").num_classes == 8  # largest training label + 1
+
+
+# ---------------------------------------------------------------------------- bounded influence
+
+
+def test_capped_sample_weights_bound_one_client_by_the_median():
+    np.testing.assert_array_equal(capped_sample_weights(np.array([120_000, 100, 90]), 10.0), [1000, 100, 90])
+    np.testing.assert_array_equal(capped_sample_weights(np.array([120_000, 100, 90]), 0.0), [120_000, 100, 90])
+    np.testing.assert_array_equal(capped_sample_weights(np.array([300, 100, 200]), 10.0), [300, 100, 200])
+
+
+def _inflate(pid_to_inflate: int, claimed: int):
+    """A tamper hook: that partition's training reply claims ``claimed`` samples (FedAvg: the
+    count travels only as a metric) and the recorded replies are kept."""
+    seen = {}
+
+    def tamper(reply, pid):
+        if reply.metadata.message_type == MessageType.TRAIN and reply.has_content():
+            if pid == pid_to_inflate:
+                reply.content[p.METRICS][p.NUM_EXAMPLES] = claimed
+            seen[pid] = reply.content
+        return reply
+
+    return tamper, seen
+
+
+def test_a_client_claiming_far_more_samples_is_weighted_at_most_ten_times_the_median(tmp_path, caplog):
+
+    config = {"strategy": "fedavg", "num-server-rounds": 1, "samples-per-client": 60,
+              "test-samples-per-client": 20, "local-epochs": 1, "output-dir": str(tmp_path)}
+    tamper, seen = _inflate(0, 120_000)
+    with caplog.at_level(logging.WARNING):
+        strategy, _ = run_fedpac(InProcessGrid(config, 3, tamper=tamper), parse_run_config(config), 1)
+    assert any("partition 0 reports 120000 training samples" in r.getMessage() for r in caplog.records)
+    extractors = [{k: v for k, v in p.from_record(seen[pid][p.ARRAYS]).items() if k.startswith("extractor.")}
+                  for pid in range(3)]
+    expected = weighted_average(extractors, [600, 60, 60])  # 10 x the median 60, not 120,000
+    for key, value in expected.items():
+        np.testing.assert_allclose(strategy.extractor[key], value, rtol=1e-6)
+
+
+def test_max_samples_per_client_rejects_the_reply_and_stops_a_preflight(tmp_path, caplog):
+
+    config = {"strategy": "fedavg", "num-server-rounds": 1, "samples-per-client": 60,
+              "test-samples-per-client": 20, "local-epochs": 1, "max-samples-per-client": 1000,
+              "output-dir": str(tmp_path)}
+    tamper, _ = _inflate(1, 120_000)
+    with caplog.at_level(logging.WARNING):
+        _, report = run_fedpac(InProcessGrid(config, 3, tamper=tamper), parse_run_config(config), 1)
+    assert sorted(report.rounds[0].train) == [0, 2]
+    assert any("above max-samples-per-client = 1000" in r.getMessage() for r in caplog.records)
+    small = {**config, "max-samples-per-client": 50, "output-dir": str(tmp_path / "small")}
+    with pytest.raises(RuntimeError, match="above max-samples-per-client = 50"):
+        run_fedpac(InProcessGrid(small, 3), parse_run_config(small), 2)

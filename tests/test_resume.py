@@ -71,3 +71,42 @@ def test_clients_that_cannot_load_their_data_stop_the_run_before_training(tmp_pa
     with pytest.raises(RuntimeError, match="not ready to train(.|\n)*does not exist"):
         run_fedpac(grid, cfg, 1)
     assert not any(m.metadata.message_type == "train" for m in grid.sent)
+
+
+def test_the_run_folder_says_where_it_stands_and_how_to_resume(tmp_path):
+    config = {**BASE, "output-dir": str(tmp_path / "crashed"), "strategy": "fedper"}
+    with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
+        _run(config, grid_seed=2, crash_at_round=3)
+    (run_dir,) = (tmp_path / "crashed").iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["completed_rounds"] == 2 and status["num_rounds"] == 4
+    assert "simulated server crash in round 3" in status["error"]
+    # the command names every non-default key of the run and the folder; run as printed, it resumes
+    command = status["resume"]
+    assert command.startswith("flwr run . <federation> --run-config ")
+    overrides = command.split('--run-config "', 1)[1].rstrip('"')
+    assert "strategy='fedper'" in overrides and "fraction-train=0.5" in overrides
+    assert f"resume-from='{run_dir}'" in overrides
+    resumed_config = {**config, "output-dir": str(tmp_path / "resumed"), "resume-from": str(run_dir)}
+    _, report = _run(resumed_config, grid_seed=3)
+    (resumed_dir,) = (tmp_path / "resumed").iterdir()
+    finished = json.loads((resumed_dir / "status.json").read_text())
+    assert finished["state"] == "finished" and finished["completed_rounds"] == 4 and not finished["error"]
+    assert [r.round for r in report.rounds] == [1, 2, 3, 4]
+
+
+def test_resume_command_round_trips_through_the_run_config_parser(tmp_path):
+    import tomllib
+
+    from server_app.app import resume_command
+
+    cfg = parse_run_config({"strategy": "fedccfa", "drift": "sudden", "cluster-eps": 0.2,
+                            "clustered-anchors": False, "num-server-rounds": 7})
+    overrides = resume_command(cfg, tmp_path / "run 1").split('--run-config "', 1)[1].rstrip('"')
+    # flwr parses each key=value as TOML
+    parsed = {}
+    for pair in overrides.split(" resume-from=")[0].split(" "):
+        parsed.update(tomllib.loads(pair))
+    again = parse_run_config({**parsed, "resume-from": str(tmp_path / "run 1")})
+    assert again.strategy == "fedccfa" and again.cluster_eps == 0.2 and again.clustered_anchors is False
+    assert again.num_server_rounds == 7 and again.drift == "sudden"
