@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (Python >= 3.11 with venv):
 #   make run    set up, then train FedPAC on the embedded MNIST data (10 simulated clients)
-#   make test   set up, then run the test suite (what CI runs)
+#   make test   set up, then lint (ruff), type-check (mypy) and run the test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 CLIENTS ?= 10
@@ -27,6 +27,7 @@ run: install
 test: install
 	deploy/install-docker.sh $(VENV)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12
 
 stop:  # the local SuperLink that `flwr run` starts keeps running after the run

@@ -103,11 +103,19 @@ def _model_from(record: ArrayRecord, cfg: FedPACConfig, device: torch.device) ->
     return model.to(device)
 
 
+def server_round_of(msg: Message) -> int:
+    """The run's absolute round number the server sent (0 for the pre-flight query)."""
+    value = msg.content.config_records[p.CONFIG][p.SERVER_ROUND]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"the server sent {p.SERVER_ROUND} = {value!r}, expected an integer")
+    return value
+
+
 def _setup(msg: Message, context: Context):
     cfg = parse_run_config(context.run_config)
     partition_id, num_partitions = partition_of(context)
     device = select_device(cfg.device)
-    model = _model_from(msg.content[p.ARRAYS], cfg, device)
+    model = _model_from(msg.content.array_records[p.ARRAYS], cfg, device)
     return cfg, partition_id, num_partitions, device, model
 
 
@@ -124,15 +132,15 @@ def _received(msg: Message, server_round: int, device: torch.device) -> Received
     the fixed initial head and whether the sent head is the client's own (FedCCFA)."""
     targets = mask = None
     if p.CENTROIDS in msg.content:
-        arrays = p.from_record(msg.content[p.CENTROIDS])
+        arrays = p.from_record(msg.content.array_records[p.CENTROIDS])
         targets = torch.as_tensor(arrays[p.CENTROID_VALUES], dtype=torch.float32, device=device)
         mask = torch.as_tensor(arrays[p.CENTROID_MASK], dtype=torch.bool, device=device)
     initial_head = {}
     if p.INITIAL_HEAD in msg.content:
         # the head module's own keys (weight, bias), as the routine loads it into model.head
         initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
-                        for key, value in p.from_record(msg.content[p.INITIAL_HEAD]).items()}
-    config = msg.content[p.CONFIG]
+                        for key, value in p.from_record(msg.content.array_records[p.INITIAL_HEAD]).items()}
+    config = msg.content.config_records[p.CONFIG]
     return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
                     has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)))
 
@@ -158,7 +166,7 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
     x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
-    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    server_round = server_round_of(msg)
     y = current_concept(y, cfg, partition_id, server_round)
     received = _received(msg, server_round, device)
 
@@ -188,7 +196,7 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, msg:
     """A deployed site (node config ``model-dir``) keeps the model it just evaluated, its
     personalized model, after the last round and every ``save-model-every`` rounds."""
     model_dir = str(context.node_config.get("model-dir", ""))
-    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    server_round = server_round_of(msg)
     every = cfg.save_model_every
     if model_dir and (server_round == cfg.num_server_rounds or (every and server_round % every == 0)):
         partition_id, _ = partition_of(context)
@@ -215,7 +223,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
-    server_round = int(msg.content[p.CONFIG][p.SERVER_ROUND])
+    server_round = server_round_of(msg)
     y = current_concept(y, cfg, partition_id, server_round)
     y_test = current_concept(y_test, cfg, partition_id, server_round)
     if METHODS[cfg.strategy].finetune_before_evaluation:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,7 @@ def train_extractor(  # pylint: disable=too-many-arguments
     model.train()
     model.head.requires_grad_(False)
     optimizer = _sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
-    use_alignment = alignment is not None and weight > 0
+    align_with = alignment if weight > 0 else None
     total = torch.zeros((), device=x.device)
     total_align = torch.zeros((), device=x.device)
     seen = 0
@@ -183,8 +184,8 @@ def train_extractor(  # pylint: disable=too-many-arguments
                     features = model.extractor(x[idx])
                     logits = model.head(features)
                 loss = F.cross_entropy(logits.float(), y[idx])
-                if use_alignment:
-                    align = alignment(features.float(), y[idx])
+                if align_with is not None:
+                    align = align_with(features.float(), y[idx])
                     loss = loss + weight * align
                     total_align += align.detach() * len(idx)
                 optimizer.zero_grad(set_to_none=True)
@@ -249,10 +250,9 @@ def alternating_update(  # pylint: disable=too-many-arguments
     if method.needs_statistics:
         before = feature_statistics(class_feature_sums(model.extractor, x, y, num_classes))
     head_loss = train_head(model, x, y, cfg, generator)
-    alignment = None
-    if method.alignment is Alignment.CENTROIDS and centroids is not None and bool(mask.any()):
-        def alignment(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return alignment_loss(features, labels, centroids, mask)
+    alignment: AlignmentTerm | None = None
+    if method.alignment is Alignment.CENTROIDS and centroids is not None and mask is not None and bool(mask.any()):
+        alignment = partial(alignment_loss, centroids=centroids, mask=mask)
     train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align)
     local_centroids = None
     if method.needs_centroids:
@@ -330,10 +330,10 @@ def clustered_update(  # pylint: disable=too-many-arguments
 
     weight = entropy_weight(counts.cpu().numpy(), cfg.align_gamma, cfg.align_lambda)
     anchors, mask = received.targets, received.target_mask
-    alignment = None
-    if received.server_round >= cfg.align_from_round and anchors is not None and bool(mask.any()):
-        def alignment(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return contrastive_alignment_loss(features, labels, anchors, mask, cfg.align_temperature)
+    alignment: AlignmentTerm | None = None
+    aligning = received.server_round >= cfg.align_from_round
+    if aligning and anchors is not None and mask is not None and bool(mask.any()):
+        alignment = partial(contrastive_alignment_loss, anchors=anchors, mask=mask, temperature=cfg.align_temperature)
     train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, weight)
     local_anchors = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
     return LocalUpdate(

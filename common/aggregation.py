@@ -161,9 +161,13 @@ def aggregate_round(  # pylint: disable=too-many-arguments
     Inputs a method does not use may be ``None``."""
     centroids, mask = previous_centroids, previous_mask
     if method.alignment is Alignment.CENTROIDS:
+        if local_centroids is None or class_counts is None:
+            raise ValueError("feature alignment needs the local centroids and class counts")
         centroids, mask = aggregate_centroids(local_centroids, class_counts, previous_centroids, previous_mask)
     collaboration = None
     if method.head is Rule.MIX:
+        if h is None or v is None:
+            raise ValueError("classifier collaboration needs every client's h and V")
         collaboration = collaboration_weights(h, v, num_examples, alpha_threshold, solver)
     extractor = None
     if method.extractor is Rule.AVERAGE:

@@ -161,9 +161,9 @@ def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshol
         except (ArithmeticError, ValueError, np.linalg.LinAlgError) as err:
             log.warning("vectorized collaboration QPs failed (%s); solving every row with cvxpy", err)
         else:
-            for i in np.flatnonzero(batch.converged):
-                alpha[i], status[i] = sparsify(batch.alpha[i], threshold), "optimal"
-    for i in (i for i in range(m) if status[i] == "cvxpy"):
+            for row in np.flatnonzero(batch.converged):
+                alpha[row], status[row] = sparsify(batch.alpha[row], threshold), "optimal"
+    for i in (row for row in range(m) if status[row] == "cvxpy"):
         try:
             alpha[i] = sparsify(solve_simplex_qp(collaboration_matrix(gram, variance, i)), threshold)
         except (RuntimeError, ValueError) as err:

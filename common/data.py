@@ -82,7 +82,7 @@ class ImageDataset:
     @property
     def image_shape(self) -> tuple[int, int, int]:
         """(height, width, channels)."""
-        return tuple(self.train_images.shape[1:])  # type: ignore[return-value]
+        return tuple(self.train_images.shape[1:])
 
 
 def run_normalization(cfg: FedPACConfig, dataset: ImageDataset | None = None) -> tuple[np.ndarray, np.ndarray]:

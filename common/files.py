@@ -38,5 +38,5 @@ def atomic_write(path: Path, data: bytes) -> None:
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     """An .npz archive of ``arrays``, in memory (for :func:`atomic_write`)."""
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     return buffer.getvalue()

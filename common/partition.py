@@ -164,9 +164,9 @@ class ConceptShiftPartitioner(Partitioner):
     def num_partitions(self) -> int:
         return self.base.num_partitions
 
-    @Partitioner.dataset.setter  # type: ignore[attr-defined]
+    @Partitioner.dataset.setter
     def dataset(self, value: Dataset) -> None:
-        Partitioner.dataset.fset(self, value)  # type: ignore[attr-defined]
+        Partitioner.dataset.fset(self, value)
         self.base.dataset = value
 
     def relabel(self, partition_id: int, labels: np.ndarray) -> np.ndarray:

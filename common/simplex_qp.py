@@ -100,8 +100,8 @@ def refine_support(q: np.ndarray, b_row: np.ndarray, support: np.ndarray) -> np.
     for _ in range(FAST_REFINEMENT_STEPS):
         if len(support) == 0:
             return None
-        values, nu = _kkt_solve(q, b_row[None], support)
-        values, nu = values[0], float(nu[0])
+        solved, nus = _kkt_solve(q, b_row[None], support)
+        values, nu = solved[0], float(nus[0])
         if values.min() < -KKT_TOLERANCE:
             support = support[values >= -KKT_TOLERANCE]
             continue
@@ -185,7 +185,8 @@ def polish_rows(q: np.ndarray, b: np.ndarray, alpha: np.ndarray) -> tuple[np.nda
     violation[supports] = -np.inf
     tolerance = KKT_TOLERANCE * np.maximum(1.0, np.abs(nus))
     certified = primal_ok & (violation.max(axis=1) <= tolerance)
-    for row in np.flatnonzero(~certified):
+    for uncertified in np.flatnonzero(~certified):
+        row = int(uncertified)
         polished = refine_support(q, b[row], np.flatnonzero(supports[row])) if primal_ok[row] else None
         if polished is None:
             polished = refine_support(q, b[row], np.flatnonzero(candidates[row] > 0))

@@ -108,7 +108,31 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
             f"run config 'resume-from': checkpoint is a '{checkpoint.strategy}' run, this run's "
             f"strategy is '{cfg.strategy}'"
         )
+    differences = config_differences(checkpoint.config, asdict(cfg))
+    if differences:
+        raise ConfigError(
+            f"run config 'resume-from': this run's config differs from the checkpoint's, so it would "
+            f"not continue the same computation: {'; '.join(differences)}. Resume with the checkpoint's "
+            "values (its run folder's status.json has the exact command)"
+        )
     return checkpoint
+
+
+# Keys a resumed run may change: where and how long it runs, not what it computes.
+RESUMABLE_KEYS = frozenset({
+    "num_server_rounds", "output_dir", "resume_from", "device", "round_timeout", "min_available_clients",
+    "min_train_replies", "max_failed_rounds", "generalized_every", "save_model_every", "data_dir",
+})
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """``key: checkpoint's value -> this run's`` for every key that changes the computation
+    (an older checkpoint without a saved config has none to compare)."""
+    return [
+        f"{FedPACConfig.key(name)}: {saved[name]!r} -> {current[name]!r}"
+        for name in sorted(saved)
+        if name in current and name not in RESUMABLE_KEYS and saved[name] != current[name]
+    ]
 
 
 def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
@@ -157,6 +181,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             global_head=strategy.global_head if strategy.method.head is Rule.AVERAGE else None,
             client_extractors=strategy.local_extractors,
             anchors=strategy.anchors,
+            config=asdict(cfg),
         )
         write_round_outputs(report, record, checkpoint)
         report.write_status("running", record.round, resume_command(cfg, directory))

@@ -13,6 +13,7 @@ state needs saving: a resumed run continues exactly where the stopped one would 
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class Checkpoint:
     client_extractors: dict[int, p.NDArrays] = field(default_factory=dict)  # Local-only
     # FedCCFA: each client's cluster anchors (K, d) and their mask (K,)
     anchors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # the validated run config (empty: older checkpoints)
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
@@ -73,6 +75,7 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
         "model_shape": list(checkpoint.model_shape),
         "seed": checkpoint.seed,
         "strategy": checkpoint.strategy,
+        "config": checkpoint.config,
         "rounds": [asdict(r) for r in checkpoint.rounds],
     }
     arrays["meta"] = np.array(json.dumps(meta))
@@ -98,8 +101,8 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
         meta = json.loads(str(arrays.pop("meta")))
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path} (truncated or not a checkpoint?): {err}") from err
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT_VERSION}")
     heads: dict[int, p.NDArrays] = {}
@@ -129,4 +132,5 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         global_head=global_head or None,
         client_extractors=client_extractors,
         anchors={pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in anchor_parts.items()},
+        config=dict(meta.get("config", {})),
     )

@@ -45,6 +45,7 @@ class ClientEvaluation:
 
 
 MAX_METRICS = 32
+V_ROUNDING = 1e-6  # relative: a V this far below 0 is rounding, not a malformed reply
 TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS})
 EVALUATE_RECORDS = frozenset({p.METRICS})
 
@@ -182,8 +183,12 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
     v = None
     if method.needs_statistics:
         v = _metric(metrics, p.V)
-        if v < 0:
+        # V is a difference of sums of squares: when all of a client's features of its only class
+        # coincide it is 0 up to rounding, which may leave it a hair below 0
+        scale = max(1.0, float(np.sum(np.square(stats[p.H]))))
+        if v < -V_ROUNDING * scale:
             raise InvalidReply(f"V = {v} is negative")
+        v = max(v, 0.0)
     return ClientUpdate(
         partition_id=partition_id,
         node_id=msg.metadata.src_node_id,

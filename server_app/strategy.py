@@ -293,9 +293,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def head_of(self, node_id: int) -> p.NDArrays:
         """The head for the client on ``node_id``: its personalized head phi^_i (initial if it
         never trained), or the global head when the method averages heads (FedAvg)."""
+        pid = self.node_partition.get(node_id)
         if not self.method.personal_heads:
             return self.global_head
-        return self.heads.get(self.node_partition.get(node_id), self.initial_head)
+        return self.initial_head if pid is None else self.heads.get(pid, self.initial_head)
 
     def alignment_targets(self, node_id: int) -> p.NDArrays:
         """What the client on ``node_id`` aligns its features to: the global centroids
@@ -304,7 +305,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             num_classes, dim = self.initial_head[p.HEAD_WEIGHT].shape
             no_anchors = (np.zeros((num_classes, dim), np.float32), np.zeros(num_classes, bool))
             owner = self.node_partition.get(node_id) if self.clustering.clustered_anchors else GLOBAL_ANCHORS
-            values, mask = self.anchors.get(owner, no_anchors)
+            values, mask = no_anchors if owner is None else self.anchors.get(owner, no_anchors)
         else:
             values, mask = self.centroids, self.centroid_mask
         return {p.CENTROID_VALUES: values, p.CENTROID_MASK: mask.astype(np.uint8)}
@@ -312,8 +313,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def extractor_of(self, node_id: int, extractor: p.NDArrays) -> p.NDArrays:
         """The extractor for the client on ``node_id``: the global one, or, when extractors stay
         local (Local-only), the client's own (the initial one before it first trains)."""
-        if self.method.extractor is Rule.LOCAL:
-            return self.local_extractors.get(self.node_partition.get(node_id), extractor)
+        pid = self.node_partition.get(node_id)
+        if self.method.extractor is Rule.LOCAL and pid is not None:
+            return self.local_extractors.get(pid, extractor)
         return extractor
 
     def _messages(
@@ -447,7 +449,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             alpha_threshold=self.alpha_threshold,
             solver=self.qp_solver,
             method=self.method,
-            balanced_heads=None if updates[0].balanced_head is None else [u.balanced_head for u in updates],
+            balanced_heads=[u.balanced_head for u in updates if u.balanced_head is not None] or None,
             clustering=self.clustering,
         )
         self._store(updates, result)
@@ -467,6 +469,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         )
         # Flower carries the global extractor to the next phase; Local-only has none to carry
         # and passes the initial one on unchanged (each client's own is in local_extractors).
+        assert self.extractor is not None  # set by configure_train
         return p.to_record(self.extractor), metrics
 
     def _sample_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
@@ -482,7 +485,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def _store(self, updates: list[ClientUpdate], result: RoundAggregate) -> None:
         """Keep the round's outcome: the global parts, and the per-client parts by partition-id."""
-        if result.centroids is not None:
+        if result.centroids is not None and result.centroid_mask is not None:
             self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
         if result.extractor is not None:
             self.extractor = result.extractor

@@ -171,3 +171,19 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
                 "duplicate partition": "already taken"}[problem]
     with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{expected}"):
         strategy.discover(grid, timeout=60)
+
+
+def test_a_v_below_zero_by_rounding_only_is_accepted_as_zero(caplog):
+    def tampering(reply, pid):
+        if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
+            reply.content[p.METRICS][p.V] = -1e-12  # a sum of squares minus its mean's, rounded
+        return reply
+
+    strategy, arrays = _setup()
+    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)
+    strategy.discover(grid, timeout=60)
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    with caplog.at_level(logging.WARNING):
+        _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert "Rejected" not in caplog.text and metrics["num-replies"] == 4
+    assert set(strategy.heads) == {0, 1, 2, 3}

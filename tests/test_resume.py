@@ -110,3 +110,25 @@ def test_resume_command_round_trips_through_the_run_config_parser(tmp_path):
     again = parse_run_config({**parsed, "resume-from": str(tmp_path / "run 1")})
     assert again.strategy == "fedccfa" and again.cluster_eps == 0.2 and again.clustered_anchors is False
     assert again.num_server_rounds == 7 and again.drift == "sudden"
+
+
+def test_resume_refuses_a_config_that_changes_the_computation_and_lists_the_differences(tmp_path):
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    changed = {**BASE, "lambda-align": 0.5, "extractor-lr": 0.02, "output-dir": str(tmp_path / "b"),
+               "resume-from": str(run_dir)}
+    with pytest.raises(ConfigError, match=r"extractor-lr: 0\.01 -> 0\.02; lambda-align: 1\.0 -> 0\.5"):
+        _run(changed, grid_seed=1)
+    # where and how long it runs may change: more rounds, another timeout
+    _, report = _run({**BASE, "num-server-rounds": 2, "round-timeout": 60.0, "output-dir": str(tmp_path / "c"),
+                      "resume-from": str(run_dir)}, grid_seed=1)
+    assert [r.round for r in report.rounds] == [1, 2]
+
+
+def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    data = (run_dir / "checkpoint.npz").read_bytes()
+    (run_dir / "checkpoint.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or not a checkpoint"):
+        load_checkpoint(run_dir)
