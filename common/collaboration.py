@@ -158,8 +158,9 @@ def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshol
     if solver == "vectorized" and np.isfinite(gram).all() and np.isfinite(variance).all():
         try:
             batch = solve_simplex_qps(gram + np.diag(variance), gram)
-        except (ArithmeticError, ValueError, np.linalg.LinAlgError) as err:
-            log.warning("vectorized collaboration QPs failed (%s); solving every row with cvxpy", err)
+        except Exception as err:  # pylint: disable=broad-exception-caught  # cvxpy is the fallback for any
+            log.warning("vectorized collaboration QPs failed (%s: %s); solving every row with cvxpy",
+                        type(err).__name__, err)
         else:
             for row in np.flatnonzero(batch.converged):
                 alpha[row], status[row] = sparsify(batch.alpha[row], threshold), "optimal"

@@ -202,3 +202,17 @@ def test_numerics_use_one_thread_while_another_process_runs_and_all_cores_alone(
         busy.kill()
         busy.wait()
     assert collaboration.solver_blas_threads(20) == 1  # small problems: one thread always
+
+
+def test_a_vectorized_solver_that_raises_falls_back_to_cvxpy_for_every_row(monkeypatch):
+    import common.collaboration as collaboration
+
+    def broken(q, b):
+        raise RuntimeError("anything at all")
+
+    h, v, n = _stats(4, seed=9)
+    monkeypatch.setattr(collaboration, "solve_simplex_qps", broken)
+    result = collaboration_weights(h, v, n, threshold=0.0)
+    assert result.status == ["cvxpy"] * 4
+    expected = collaboration_weights(h, v, n, threshold=0.0, solver="cvxpy").alpha
+    np.testing.assert_allclose(result.alpha, expected, atol=1e-6)

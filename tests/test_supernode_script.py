@@ -1,0 +1,226 @@
+"""deploy/supernode.sh (issue 14, item 5): a bad argument is named in one line (exit status 2,
+no usage dump, no source line), and a failure that a restart cannot heal stops the node at once
+while one that can heal is restarted.
+
+A fake ``flower-supernode`` earlier on PATH (and a fake ``python`` beside it, which the warm
+executor path calls) plays Flower's part. Like Flower 1.39's ``flwr_exit`` it logs
+``Exit Code: <code>`` and the cause on stderr and exits with status 1 (a process cannot exit with
+302 or 305: Flower exits with 1 for every error code and names the code in its log); the messages
+are the ones flower-supernode prints for an unparsable key, a wrong CA and a SuperLink that refuses
+to activate the node.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "deploy" / "supernode.sh"
+
+FAKE_NODE = r"""#!/usr/bin/env bash
+# One behaviour per start from $FAKE_PLAN (space-separated; the last one repeats).
+n=$(( $(cat "$FAKE_DIR/starts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_DIR/starts"
+printf '%s\n' "$@" > "$FAKE_DIR/args-$n"
+read -ra plan <<< "$FAKE_PLAN"
+i=$(( n <= ${#plan[@]} ? n - 1 : ${#plan[@]} - 1 ))
+echo 'INFO :      Starting Flower SuperNode' >&2
+flower_exit() { printf '\033[91mERROR \033[0m:     Exit Code: %s\n%s\n' "$1" "$2" >&2; exit 1; }
+case "${plan[$i]}" in
+  ok) exit 0 ;;
+  crash) echo 'Traceback (most recent call last):' >&2; exit 1 ;;
+  key) flower_exit 302 'Unable to parse the private key file.
+Node authentication requires elliptic curve private key.' ;;
+  tls) flower_exit 305 'Failed to initialize the connection to the SuperLink.
+failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9092: Tls handshake failed '\
+'(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: '\
+'unable to get local issuer certificate: OK
+The SuperNode could not establish a connection to the SuperLink.' ;;
+  busy) flower_exit 305 'Failed to initialize the connection to the SuperLink.
+[code: 2004] Failed to activate SuperNode.
+The SuperNode could not establish a connection to the SuperLink.' ;;
+esac
+"""
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "${1:-}" in
+  */fast_supernode.py) shift; exec "$(dirname "$0")/flower-supernode" "$@" ;;
+  */warm_executor.py) [ -n "${FAKE_EXECUTOR_GONE:-}" ] || exec sleep 60 ;;
+  *) exec "%s" "$@" ;;
+esac
+""" % sys.executable
+
+SOURCE_LINE = re.compile(r"line \d+|^\s*#|set -euo|\$\d|\[ -")
+
+
+@pytest.fixture
+def site(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("flower-supernode", FAKE_NODE), ("python", FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    key = tmp_path / "supernode-0"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nAAAA\n-----END OPENSSH PRIVATE KEY-----\n")
+    (tmp_path / "supernode-0.pub").write_text("ecdsa-sha2-nistp384 AAAAE2VjZHNh supernode-0\n")
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "notes.txt").write_text("not a key, not a certificate\n")
+    return tmp_path
+
+
+def base_args(site: Path, **changes: str | None) -> list[str]:
+    options = {"--superlink": "127.0.0.1:9092", "--ca": str(site / "ca.crt"), "--key": str(site / "supernode-0"),
+               "--partition-id": "0", "--num-partitions": "2", "--model-dir": str(site / "models"),
+               "--port": "9094", "--executor": "cold", "--restart-delay": "0.05"}
+    for option, value in changes.items():
+        option = "--" + option.replace("_", "-")
+        options.pop(option, None)
+        if value is not None:
+            options[option] = value
+    return [part for option, value in options.items() for part in (option, value)]
+
+
+def run(site: Path, args: list[str], plan: str = "ok", timeout: float = 15,
+        **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{site / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_DIR": str(site), "FAKE_PLAN": plan, **env_vars}
+    try:
+        return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"supernode.sh still running after {timeout} s (restarting a failure that cannot heal?): "
+                    f"{err.stderr!r}")
+
+
+def starts(site: Path) -> int:
+    path = site / "starts"
+    return int(path.read_text()) if path.exists() else 0
+
+
+BAD_ARGUMENTS = {
+    "key does not exist": ({"key": "{site}/no-such-key"}, "--key", "no such file"),
+    "key is a directory": ({"key": "{site}/data"}, "--key", "not a file"),
+    "key is not a private key": ({"key": "{site}/notes.txt"}, "--key", "not an OpenSSH private key"),
+    "key is the public half": ({"key": "{site}/supernode-0.pub"}, "--key", "public key"),
+    "ca does not exist": ({"ca": "{site}/no-ca.crt"}, "--ca", "no such file"),
+    "ca is not a certificate": ({"ca": "{site}/notes.txt"}, "--ca", "not a PEM certificate"),
+    "root-certificates does not exist": ({"ca": None, "root_certificates": "{site}/no-ca.crt"},
+                                         "--root-certificates", "no such file"),
+    "data path does not exist": ({"data_path": "{site}/no-data"}, "--data-path", "no such directory"),
+    "data path is a file": ({"data_path": "{site}/notes.txt"}, "--data-path", "not a directory"),
+    "model dir is a file": ({"model_dir": "{site}/notes.txt"}, "--model-dir", "not a directory"),
+    "superlink missing": ({"superlink": None}, "--superlink", "required"),
+    "superlink without port": ({"superlink": "fedpac.example.org"}, "--superlink", "HOST:PORT"),
+    "key missing": ({"key": None}, "--key", "required"),
+    "partition id not a number": ({"partition_id": "first"}, "--partition-id", "integer"),
+    "num partitions zero": ({"num_partitions": "0"}, "--num-partitions", "integer"),
+    "port out of range": ({"port": "70000"}, "--port", "1-65535"),
+    "restarts not a number": ({"restarts": "many"}, "--restarts", "integer"),
+    "restart delay not a number": ({"restart_delay": "soon"}, "--restart-delay", "seconds"),
+    "executor unknown": ({"executor": "hot"}, "--executor", "warm or cold"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_a_bad_argument_is_named_in_one_line(site, case):
+    changes, option, problem = BAD_ARGUMENTS[case]
+    changes = {k: v if v is None else v.format(site=site) for k, v in changes.items()}
+    result = run(site, base_args(site, **changes))
+    assert_one_line_error(result, option, problem)
+
+
+@pytest.mark.parametrize("args, option, problem", [
+    (["--superlink", "127.0.0.1:9092", "--frobnicate", "1"], "--frobnicate", "unknown option"),
+    (["stray"], "stray", "unexpected argument"),
+    (["--superlink", "127.0.0.1:9092", "--key"], "--key", "needs a value"),
+    (["--key", "--partition-id", "0"], "--key", "needs a value"),
+    (["--data-path", ""], "--data-path", "needs a value"),
+])
+def test_an_unknown_option_or_a_missing_value_is_named_in_one_line(site, args, option, problem):
+    assert_one_line_error(run(site, args), option, problem)
+
+
+def test_the_line_reads_as_option_value_problem(site):
+    result = run(site, base_args(site, partition_id="first"))
+    assert result.stderr == "supernode.sh: --partition-id first: not a non-negative integer\n"
+    result = run(site, base_args(site, num_partitions=None))
+    assert result.stderr.startswith("supernode.sh: --num-partitions is required (")
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, option: str, problem: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr  # no usage dump
+    assert lines[0].startswith(f"supernode.sh: {option}"), lines[0]
+    assert problem in lines[0], lines[0]
+    assert not SOURCE_LINE.search(lines[0]), lines[0]
+    assert result.stdout == ""
+
+
+def test_help_prints_the_usage_and_no_source_line(site):
+    result = run(site, ["--help"])
+    assert result.returncode == 0, result.stderr
+    assert "--superlink HOST:9092" in result.stdout and "--restart-delay" in result.stdout
+    assert "set -euo" not in result.stdout and not any(line.startswith("#") for line in result.stdout.splitlines())
+
+
+def test_the_node_gets_the_files_and_config(site):
+    result = run(site, base_args(site, data_path=str(site / "data")))
+    assert result.returncode == 0, result.stderr
+    args = (site / "args-1").read_text().splitlines()
+    assert args[args.index("--root-certificates") + 1] == str(site / "ca.crt")
+    assert args[args.index("--auth-supernode-private-key") + 1] == str(site / "supernode-0")
+    assert f'data-path="{site / "data"}"' in args[args.index("--node-config") + 1]
+    assert (site / "models").is_dir()
+
+
+@pytest.mark.parametrize("executor", ["cold", "warm"])
+@pytest.mark.parametrize("plan, code, fix", [("key", "302", "certs.sh create"), ("tls", "305", "--ca")])
+def test_a_permanent_flower_exit_code_stops_at_once(site, executor, plan, code, fix):
+    result = run(site, base_args(site, executor=executor, restarts="18"), plan=plan)
+    assert result.returncode == 1, result.stderr
+    assert starts(site) == 1, result.stderr  # not restarted
+    assert "restart 1/" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("supernode.sh: ") and f"exit code {code}" in last and fix in last, last
+    assert "Exit Code: " + code in result.stderr  # Flower's own message still reaches the log
+    if plan == "tls":
+        assert "(unable to get local issuer certificate)" in last, last
+
+
+@pytest.mark.parametrize("executor", ["cold", "warm"])
+def test_a_failure_that_heals_is_restarted_until_the_node_runs(site, executor):
+    result = run(site, base_args(site, executor=executor, restarts="5"), plan="busy crash ok")
+    assert result.returncode == 0, result.stderr
+    assert starts(site) == 3
+    assert "restart 1/5" in result.stderr and "restart 2/5" in result.stderr
+    assert "Failed to activate SuperNode" in result.stderr  # Flower's output is passed through
+
+
+def test_a_warm_executor_that_already_ended_does_not_stop_the_restarts(site):
+    # it watches the node and may exit before the script stops it: that is no reason to give up
+    result = run(site, base_args(site, executor="warm", restarts="5"), plan="busy ok", FAKE_EXECUTOR_GONE="1")
+    assert result.returncode == 0, result.stderr
+    assert starts(site) == 2, result.stderr
+
+
+@pytest.mark.parametrize("plan", ["busy", "crash"])
+def test_restarts_are_bounded(site, plan):
+    result = run(site, base_args(site, restarts="2"), plan=plan)
+    assert result.returncode == 1, result.stderr
+    assert starts(site) == 3
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("supernode.sh: ") and "no restarts left" in last, last
+    if plan == "busy":  # an unregistered key looks the same to the node: say so
+        assert "certs.sh register" in last, last
+
+
+def test_no_restarts_means_no_restart(site):
+    result = run(site, base_args(site, restarts="0"), plan="busy")
+    assert result.returncode == 1 and starts(site) == 1, result.stderr
+    assert "Failed to activate SuperNode" in result.stderr
