@@ -360,12 +360,23 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     # ------------------------------------------------------------------ aggregation
 
+    def max_reply_bytes(self) -> int:
+        """The most a valid reply can hold: one model (extractor + head) and statistics that are
+        smaller than a second one (class means, h, a balanced head), plus 64 KiB for metrics and
+        the .npz framing. Larger replies are refused before they are decoded."""
+        model = sum(a.nbytes for a in (self.extractor_template or {}).values())
+        model += sum(a.nbytes for a in self.initial_head.values())
+        return 2 * model + 65536
+
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
         """Parse a reply; log and drop it when invalid or when its partition-id conflicts."""
         node_id = msg.metadata.src_node_id
-        if msg.has_content():
-            self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + p.payload_bytes(msg.content)
+        size = p.payload_bytes(msg.content) if msg.has_content() else 0
+        self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
         try:
+            if size > self.max_reply_bytes():  # refused before any of it is decoded
+                raise InvalidReply(f"{size:,} bytes, more than the {self.max_reply_bytes():,} a reply of this "
+                                   "model can need")
             parsed = parse(msg)
         except InvalidReply as err:
             claimed = self.node_partition.get(node_id, "unknown")

@@ -47,6 +47,10 @@ def _add_record(reply):
     reply.content["extra"] = p.to_record({"blob": np.zeros(10**6)})
 
 
+def _add_small_record(reply):
+    reply.content["extra"] = p.to_record({"blob": np.zeros(10)})
+
+
 def _replace_packed(record_key, buffer):
     def tamper(reply):
         reply.content[record_key] = ArrayRecord(array_dict={p.PACKED: Array(buffer)})
@@ -76,8 +80,10 @@ CASES = {
     "negative V": (_set_metric(p.V, -1.0), "negative"),
     "partition-id out of range": (_set_metric(p.PARTITION_ID, 7), "not a valid partition"),
     "partition-id of another client": (_set_metric(p.PARTITION_ID, 0), "it claims partition 0"),
-    "oversized: an extra record": (_add_record, "unexpected record"),
-    "oversized: a huge metric list": (_set_metric("padding", [0.0] * 100_000), "lists"),
+    "oversized: an extra record": (_add_record, "a reply of this model can need"),
+    "oversized: a huge metric list": (_set_metric("padding", [0.0] * 100_000), "a reply of this model can need"),
+    "an extra record": (_add_small_record, "unexpected record"),
+    "a metric list": (_set_metric("padding", [0.0] * 10), "lists"),
     "missing statistics": (lambda r: r.content.pop(p.STATISTICS), "missing record"),
     "packed arrays not an archive": (_replace_packed(p.ARRAYS, np.arange(100, dtype=np.uint8)), "not a packed"),
     "packed statistics as floats": (_replace_packed(p.STATISTICS, np.zeros(10)), "holds bytes"),
