@@ -233,10 +233,10 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.cluster_weights in WEIGHTS, k("cluster_weights"), cfg.cluster_weights,
            f"one of {', '.join(WEIGHTS)}")
     _check(cfg.drift in DRIFT_PATTERNS, k("drift"), cfg.drift, f"one of {', '.join(DRIFT_PATTERNS)}")
-    _check(_drift_rounds(cfg.drift_rounds) is not None, k("drift_rounds"), cfg.drift_rounds,
+    _check(parse_drift_rounds(cfg.drift_rounds) is not None, k("drift_rounds"), cfg.drift_rounds,
            "empty or comma-separated round numbers >= 0")
     try:
-        Drift(cfg.drift, _drift_rounds(cfg.drift_rounds) or ())
+        Drift(cfg.drift, parse_drift_rounds(cfg.drift_rounds) or ())
     except ValueError as err:
         raise ConfigError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid: {err}") from err
     _check(cfg.drift == "none" or cfg.num_classes >= MIN_CLASSES, k("drift"), cfg.drift,
@@ -247,7 +247,7 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
 
 
-def _drift_rounds(text: str) -> tuple[int, ...] | None:
+def parse_drift_rounds(text: str) -> tuple[int, ...] | None:
     """``()`` for an empty string, the rounds in order, or None when malformed."""
     if not text.strip():
         return ()
@@ -260,7 +260,7 @@ def _drift_rounds(text: str) -> tuple[int, ...] | None:
 
 def configured_drift_rounds(cfg: FedPACConfig) -> tuple[int, ...]:
     """The run's ``drift-rounds`` (empty: the pattern's defaults apply, ``common.drift``)."""
-    rounds = _drift_rounds(cfg.drift_rounds)
+    rounds = parse_drift_rounds(cfg.drift_rounds)
     if rounds is None:
         raise ConfigError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid")
     return rounds

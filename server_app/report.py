@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-position
 
+from common.config import parse_drift_rounds  # noqa: E402  pylint: disable=wrong-import-position
 from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
 from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -250,8 +251,8 @@ class RunReport:
 
     def drift_rounds(self) -> tuple[int, ...]:
         """The first rounds of a new concept, for the plot's markers (none without drift)."""
-        drift = Drift(str(self.config.get("drift", "none")),
-                      tuple(int(r) for r in str(self.config.get("drift_rounds", "")).split(",") if r.strip()))
+        rounds = parse_drift_rounds(str(self.config.get("drift_rounds", ""))) or ()
+        drift = Drift(str(self.config.get("drift", "none")), rounds)
         return tuple(r for r in drift.change_rounds if r <= self.num_rounds)
 
     def plot_clusters(self, path: Path) -> None:

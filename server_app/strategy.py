@@ -374,8 +374,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         size = p.payload_bytes(msg.content) if msg.has_content() else 0
         self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
         try:
-            if size > self.max_reply_bytes():  # refused before any of it is decoded
-                raise InvalidReply(f"{size:,} bytes, more than the {self.max_reply_bytes():,} a reply of this "
+            limit = self.max_reply_bytes()
+            if size > limit:  # refused before any of it is decoded
+                raise InvalidReply(f"{size:,} bytes, more than the {limit:,} a reply of this "
                                    "model can need")
             parsed = parse(msg)
         except InvalidReply as err:

@@ -99,10 +99,8 @@ def _setup():
     return FedPAC(initial_head=head, num_rounds=3), p.to_record(extractor)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_reply_is_rejected_and_logged(case, caplog):
-    tamper, reason = CASES[case]
-
+def _round_with_bad_training_reply(tamper, caplog):
+    """One training round of 4 clients in which partition BAD's reply goes through ``tamper``."""
     def tampering(reply, pid):
         if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
             tamper(reply)
@@ -114,6 +112,13 @@ def test_bad_reply_is_rejected_and_logged(case, caplog):
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     with caplog.at_level(logging.WARNING):
         new_arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    return strategy, grid, new_arrays, metrics
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_reply_is_rejected_and_logged(case, caplog):
+    tamper, reason = CASES[case]
+    strategy, grid, new_arrays, metrics = _round_with_bad_training_reply(tamper, caplog)
     assert reason in caplog.text
     bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == BAD)
     assert f"Rejected reply from node {bad_node}" in caplog.text
@@ -180,16 +185,7 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
 
 
 def test_a_v_below_zero_by_rounding_only_is_accepted_as_zero(caplog):
-    def tampering(reply, pid):
-        if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
-            reply.content[p.METRICS][p.V] = -1e-12  # a sum of squares minus its mean's, rounded
-        return reply
-
-    strategy, arrays = _setup()
-    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)
-    strategy.discover(grid, timeout=60)
-    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
-    with caplog.at_level(logging.WARNING):
-        _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    # a sum of squares minus its mean's, rounded
+    strategy, _, _, metrics = _round_with_bad_training_reply(_set_metric(p.V, -1e-12), caplog)
     assert "Rejected" not in caplog.text and metrics["num-replies"] == 4
     assert set(strategy.heads) == {0, 1, 2, 3}
