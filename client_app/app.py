@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from functools import lru_cache
 
@@ -111,6 +112,18 @@ def server_round_of(msg: Message) -> int:
     return value
 
 
+def evaluate_round_of(msg: Message, server_round: int) -> int | None:
+    """Fused evaluation: the earlier round whose model this train message carries, to be
+    evaluated before training (``None``: the server did not ask)."""
+    value = msg.content.config_records[p.CONFIG].get(p.EVALUATE_ROUND)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < server_round:
+        raise ValueError(f"the server sent {p.EVALUATE_ROUND} = {value!r} in round {server_round}, "
+                         "expected an earlier round")
+    return value
+
+
 def _setup(msg: Message, context: Context):
     cfg = parse_run_config(context.run_config)
     partition_id, num_partitions = partition_of(context)
@@ -162,11 +175,21 @@ def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Run the method's local update and reply with the model and what the server step needs."""
+    """Run the method's local update and reply with the model and what the server step needs.
+
+    With fused evaluation the message's model is also the previous round's personalized model:
+    it is evaluated first, exactly as an evaluate message would, and the evaluation travels back
+    in the reply's ``evaluation`` record.
+    """
     started = time.perf_counter()
     cfg, partition_id, num_partitions, device, model = _setup(msg, context)
-    x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     server_round = server_round_of(msg)
+    evaluate_round = evaluate_round_of(msg, server_round)
+    evaluation = None
+    if evaluate_round is not None:
+        evaluation = _evaluation(model, cfg, context, evaluate_round)
+        started = time.perf_counter()
+    x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     y = current_concept(y, cfg, partition_id, server_round)
     received = _received(msg, server_round, device)
 
@@ -189,14 +212,16 @@ def train(msg: Message, context: Context) -> Message:
     statistics = _statistics_record(update)
     if statistics is not None:
         content[p.STATISTICS] = statistics
+    if evaluation is not None:
+        content[p.EVALUATION] = evaluation
     return Message(content=content, reply_to=msg)
 
 
-def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, msg: Message, accuracy: float) -> None:
+def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int,
+                     accuracy: float) -> None:
     """A deployed site (node config ``model-dir``) keeps the model it just evaluated, its
     personalized model, after the last round and every ``save-model-every`` rounds."""
     model_dir = str(context.node_config.get("model-dir", ""))
-    server_round = server_round_of(msg)
     every = cfg.save_model_every
     if model_dir and (server_round == cfg.num_server_rounds or (every and server_round % every == 0)):
         partition_id, _ = partition_of(context)
@@ -210,26 +235,34 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, msg:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Personalized accuracy: the model the server sent for this client, on its own test split.
+    """Personalized accuracy of the model the server sent for this client (:func:`_evaluation`)."""
+    cfg, _, _, _, model = _setup(msg, context)
+    metrics = _evaluation(model, cfg, context, server_round_of(msg))
+    return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
 
-    That is the global extractor with the client's combined head (FedPAC), its own head
+
+def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int) -> MetricRecord:
+    """Personalized accuracy after ``server_round``: ``model`` on the client's own test split.
+
+    ``model`` is the global extractor with the client's combined head (FedPAC), its own head
     (FedPer, FedRep, alignment-only), the global model (FedAvg), or its own model (Local-only).
-    FedAvg-FT first fine-tunes the head on the local training data; nothing of that goes back.
-    Labels are the client's concept of this round. In the rounds ``generalized_due`` names, a
-    client that trains on a slice of the run's dataset also reports the generalized accuracy:
-    the whole test set relabelled with its concept (a deployed site with its own data folder
-    has no such test set and reports none).
+    FedAvg-FT first fine-tunes the head of a copy on the local training data; nothing of that
+    goes back. Labels are the client's concept of that round. In the rounds ``generalized_due``
+    names, a client that trains on a slice of the run's dataset also reports the generalized
+    accuracy: the whole test set relabelled with its concept (a deployed site with its own data
+    folder has no such test set and reports none).
     """
     started = time.perf_counter()
-    cfg, partition_id, num_partitions, device, model = _setup(msg, context)
+    partition_id, num_partitions = partition_of(context)
+    device = next(model.parameters()).device
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
-    server_round = server_round_of(msg)
     y = current_concept(y, cfg, partition_id, server_round)
     y_test = current_concept(y_test, cfg, partition_id, server_round)
     if METHODS[cfg.strategy].finetune_before_evaluation:
+        model = copy.deepcopy(model)  # a train message goes on to train the model as received
         finetune_head(model, x, y, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, x_test, y_test)
-    _keep_site_model(model, cfg, context, msg, accuracy)
+    _keep_site_model(model, cfg, context, server_round, accuracy)
     metrics = MetricRecord(
         {
             p.PARTITION_ID: partition_id,
@@ -243,7 +276,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         _, metrics[p.GENERALIZED_ACCURACY] = evaluate_model(
             model, x_all, current_concept(y_all, cfg, partition_id, server_round))
     metrics["eval-seconds"] = time.perf_counter() - started
-    return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
+    return metrics
 
 
 @app.query()

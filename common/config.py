@@ -44,6 +44,11 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     max_samples_per_client: int = 0
     max_weight_ratio: float = 10.0
     fraction_evaluate: float = 1.0
+    # A round's evaluation travels in the next round's train message (the client evaluates the
+    # model it received before training on it): one message per client and round instead of two,
+    # the same numbers. Only when every client trains and is evaluated every round; the last
+    # round always has an evaluate message of its own.
+    fused_evaluation: bool = True
     round_timeout: float = 3600.0
     # Local update (Section 4; Appendix B.3 of the paper)
     local_epochs: int = 5

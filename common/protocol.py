@@ -4,9 +4,11 @@ Server -> client (train and evaluate): ``arrays`` (global extractor + the client
 head), ``centroids`` (train only: the alignment targets and their mask: global class centroids,
 or FedCCFA's anchors of this client), ``initial-head`` (train only, FedCCFA: the fixed phi^0 its
 balanced head starts from), ``config`` (the server round; FedCCFA: whether the server holds a
-personal head for this client).
+personal head for this client; with fused evaluation, the earlier round whose model this is
+and that the client evaluates before training).
 Client -> server (train): ``arrays`` (trained extractor + head), ``statistics`` (local centroids,
-class counts, h; FedCCFA's balanced head) and ``metrics`` (partition-id, num-examples, v, losses).
+class counts, h; FedCCFA's balanced head), ``metrics`` (partition-id, num-examples, v, losses)
+and, when the server asked for it, ``evaluation`` (the evaluate reply's metrics for that round).
 Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss, and the
 generalized accuracy in the rounds it is measured).
 
@@ -37,6 +39,7 @@ STATISTICS = "statistics"
 METRICS = "metrics"
 CONFIG = "config"
 INITIAL_HEAD = "initial-head"
+EVALUATION = "evaluation"
 PACKED = "npz"  # the one Array of a packed record
 
 # Keys inside the records.
@@ -48,6 +51,7 @@ PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
 V = "v"
 SERVER_ROUND = "server-round"
+EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries
 HAS_PERSONAL_HEAD = "has-personal-head"
 HEAD_WEIGHT = "head.weight"  # the head's keys in ``arrays`` (common.model's head.*)
 HEAD_BIAS = "head.bias"

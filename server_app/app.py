@@ -122,6 +122,7 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
 RESUMABLE_KEYS = frozenset({
     "num_server_rounds", "output_dir", "resume_from", "device", "round_timeout", "min_available_clients",
     "min_train_replies", "max_failed_rounds", "generalized_every", "save_model_every", "data_dir",
+    "fused_evaluation",
 })
 
 
@@ -150,6 +151,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         num_rounds=cfg.num_server_rounds,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
+        fused_evaluation=cfg.fused_evaluation,
         full_last_round=cfg.full_last_round,
         min_available_nodes=cfg.min_available_clients,
         alpha_threshold=cfg.alpha_threshold,

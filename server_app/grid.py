@@ -49,6 +49,9 @@ class ResponsiveGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages``, then pull replies until all arrived or ``timeout`` seconds passed."""
+        messages = list(messages)
+        if not messages:  # a phase with nothing to send (fused evaluation): no request at all
+            return []
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []

@@ -31,6 +31,8 @@ class ClientUpdate:  # pylint: disable=too-many-instance-attributes
     h: np.ndarray | None = None  # (K, d), with classifier collaboration
     v: float | None = None  # with classifier collaboration
     balanced_head: p.NDArrays | None = None  # with clustered heads: the clustering input
+    # Fused evaluation: the evaluation of the model this round's train message carried.
+    evaluation: ClientEvaluation | None = None
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ClientEvaluation:
 
 MAX_METRICS = 32
 V_ROUNDING = 1e-6  # relative: a V this far below 0 is rounding, not a malformed reply
-TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS})
+TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS, p.EVALUATION})
 EVALUATE_RECORDS = frozenset({p.METRICS})
 
 
@@ -71,13 +73,15 @@ def _check_shape_of_reply(msg: Message, allowed: frozenset[str]) -> None:
     unexpected = sorted(set(msg.content) - allowed)
     if unexpected:
         raise InvalidReply(f"unexpected record(s) {unexpected}")
-    metrics = msg.content.get(p.METRICS)
-    if metrics is not None:
+    for key in (p.METRICS, p.EVALUATION):
+        metrics = msg.content.get(key)
+        if metrics is None:
+            continue
         if len(metrics) > MAX_METRICS:
-            raise InvalidReply(f"{len(metrics)} metrics (at most {MAX_METRICS})")
+            raise InvalidReply(f"{len(metrics)} metrics in '{key}' (at most {MAX_METRICS})")
         lists = sorted(k for k, v in metrics.items() if isinstance(v, list))
         if lists:
-            raise InvalidReply(f"metrics {lists} are lists, expected scalars")
+            raise InvalidReply(f"metrics {lists} in '{key}' are lists, expected scalars")
 
 
 def _get(msg: Message, key: str):
@@ -189,6 +193,14 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         if v < -V_ROUNDING * scale:
             raise InvalidReply(f"V = {v} is negative")
         v = max(v, 0.0)
+    evaluation = None
+    if p.EVALUATION in msg.content:
+        if p.EVALUATION not in msg.content.metric_records:
+            raise InvalidReply(f"record '{p.EVALUATION}' is not a MetricRecord")
+        evaluation = parse_evaluation(msg.content[p.EVALUATION], msg.metadata.src_node_id, num_partitions)
+        if evaluation.partition_id != partition_id:
+            raise InvalidReply(f"its evaluation is of partition {evaluation.partition_id}, its update of "
+                               f"partition {partition_id}")
     return ClientUpdate(
         partition_id=partition_id,
         node_id=msg.metadata.src_node_id,
@@ -201,6 +213,7 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         h=stats[p.H].astype(np.float64) if p.H in stats else None,
         v=v,
         balanced_head=_balanced_head(stats, head_template) if method.sends_balanced_head else None,
+        evaluation=evaluation,
     )
 
 
@@ -246,7 +259,12 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
     if msg.has_error():
         raise InvalidReply(f"client error: {msg.error.reason}")
     _check_shape_of_reply(msg, EVALUATE_RECORDS)
-    metrics = _get(msg, p.METRICS)
+    return parse_evaluation(_get(msg, p.METRICS), msg.metadata.src_node_id, num_partitions)
+
+
+def parse_evaluation(metrics, node_id: int, num_partitions: int | None = None) -> ClientEvaluation:
+    """Decode an evaluation's metrics: an evaluate reply's, or the ``evaluation`` record of a
+    train reply (fused evaluation)."""
     accuracy = _metric(metrics, "accuracy")
     if not 0.0 <= accuracy <= 1.0:
         raise InvalidReply(f"accuracy {accuracy} outside [0, 1]")
@@ -260,7 +278,7 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
             raise InvalidReply(f"generalized accuracy {generalized} outside [0, 1]")
     return ClientEvaluation(
         partition_id=_partition_id(metrics, num_partitions),
-        node_id=msg.metadata.src_node_id,
+        node_id=node_id,
         num_examples=int(num_examples),
         accuracy=accuracy,
         loss=_metric(metrics, "loss"),

@@ -71,6 +71,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         Total rounds, so that the last one can include every client.
     fraction_train, fraction_evaluate : float
         Fraction of connected nodes sampled for training / evaluation.
+    fused_evaluation : bool
+        When every node trains and is evaluated every round (both fractions 1), evaluate a
+        round's model at the start of the next round's train message instead of with an
+        evaluate message of its own: the model and the numbers are the same, a round is one
+        message per node. The last round is evaluated by its own message. Ignored with sampling.
     full_last_round : bool
         Train every connected node in the last round (the paper's protocol).
     min_available_nodes : int
@@ -105,6 +110,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         method: Method = FEDPAC,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
+        fused_evaluation: bool = False,
         full_last_round: bool = True,
         min_available_nodes: int = 2,
         alpha_threshold: float = 1e-3,
@@ -122,6 +128,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.num_rounds = num_rounds
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
+        self.fused_evaluation = fused_evaluation and fraction_train >= 1.0 and fraction_evaluate >= 1.0
+        self.fused_evaluation_requested = fused_evaluation
         self.full_last_round = full_last_round
         self.min_available_nodes = min_available_nodes
         self.alpha_threshold = alpha_threshold
@@ -152,6 +160,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # from 1, sampling and seeds use the run's absolute round number.
         self.round_offset = 0
         self._record: RoundRecord | None = None
+        # Fused evaluation: the last round, trained and aggregated, whose evaluation comes back
+        # with the next round's training replies.
+        self._pending: RoundRecord | None = None
         # Payload bytes per node this round, both phases (train + evaluate).
         self._bytes_sent: dict[int, int] = {}
         self._bytes_received: dict[int, int] = {}
@@ -164,6 +175,12 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
             "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
             self.fraction_evaluate, self.min_available_nodes)
+        if self.fused_evaluation:
+            log(INFO, "\t├──> Evaluation: each round's model is evaluated by the next round's train "
+                "message (fused), the last round's by an evaluate message")
+        elif self.fused_evaluation_requested:
+            log(INFO, "\t├──> Evaluation: an evaluate message per round (fused evaluation needs "
+                "fraction-train = fraction-evaluate = 1)")
         if method.head is Rule.MIX:
             log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
                 self.qp_solver, self.alpha_threshold)
@@ -319,12 +336,15 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return extractor
 
     def _messages(
-        self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int
+        self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int,
+        evaluate_round: int | None = None,
     ) -> list[Message]:
         messages = []
         for node_id in node_ids:
             # A fresh record per node: nothing mutable is shared between messages.
             config = ConfigRecord({p.SERVER_ROUND: server_round})
+            if evaluate_round is not None:
+                config[p.EVALUATE_ROUND] = evaluate_round
             content = RecordDict(
                 {
                     p.ARRAYS: p.to_record({**self.extractor_of(node_id, extractor), **self.head_of(node_id)}),
@@ -343,7 +363,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send each sampled node the global extractor, the centroids and its own head."""
+        """Send each sampled node the global extractor, the centroids and its own head (and,
+        with fused evaluation, the round whose model that is, to evaluate first)."""
         server_round += self.round_offset
         full = self.full_last_round and server_round == self.num_rounds
         if self.discovery_timeout is not None:  # identify nodes that joined since
@@ -356,7 +377,12 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             self.extractor = extractor
         self._record = RoundRecord(round=server_round, started=time.time())
         self._bytes_sent, self._bytes_received = {}, {}
-        return self._messages(node_ids, extractor, MessageType.TRAIN, server_round)
+        evaluate_round = None
+        if self._pending is not None:
+            # a round lasts from its train message to the next one, which carries its evaluation
+            self._pending.seconds = self._record.started - self._pending.started
+            evaluate_round = self._pending.round
+        return self._messages(node_ids, extractor, MessageType.TRAIN, server_round, evaluate_round)
 
     # ------------------------------------------------------------------ aggregation
 
@@ -423,6 +449,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
         log(INFO, "aggregate_train: %d valid replies of %d", len(updates), len(replies))
+        if self._pending is not None:  # before this round changes the state its checkpoint saves
+            pending, self._pending = self._pending, None
+            self._close_round(pending, [u.evaluation for u in updates if u.evaluation is not None])
         record = self._record
         record.train = {
             u.partition_id: {k: v for k, v in u.metrics.items() if k != p.PARTITION_ID} for u in updates
@@ -518,36 +547,38 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send every sampled node the new global extractor and its own combined head."""
+        """Send every sampled node the new global extractor and its own combined head (with
+        fused evaluation, only in the last round: the next train message evaluates the others)."""
         server_round += self.round_offset
+        if self._evaluated_with_next_train(server_round):
+            return []
         node_ids = self._sample(grid, self.fraction_evaluate, server_round, self.fraction_evaluate >= 1.0)
         return self._messages(node_ids, p.from_record(arrays), MessageType.EVALUATE, server_round)
 
+    def _evaluated_with_next_train(self, server_round: int) -> bool:
+        return self.fused_evaluation and server_round < self.num_rounds
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Unweighted mean of the clients' personalized accuracies; closes the round's record."""
+        """Unweighted mean of the clients' personalized accuracies; closes the round's record
+        (with fused evaluation, the next round's training replies close it)."""
         server_round += self.round_offset
-        accepted = (
-            self._accept(msg, lambda m: parse_evaluate_reply(m, self.num_partitions)) for msg in replies
-        )
-        evaluations: list[ClientEvaluation] = self._unique([e for e in accepted if e is not None])
         record = self._record
         if record is None:
             return None
-        record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
-        record.test_loss = {e.partition_id: e.loss for e in evaluations}
-        record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
-        record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
-                              if e.generalized_accuracy is not None}
-        record.centroid_classes = int(self.centroid_mask.sum())
-        record.seconds = time.time() - record.started
         for node_id, pid in self.node_partition.items():
             if node_id in self._bytes_sent:
                 record.bytes_sent[pid] = self._bytes_sent[node_id]
                 record.bytes_received[pid] = self._bytes_received.get(node_id, 0)
-        if self.on_round_end is not None:
-            self.on_round_end(record)
+        if self._evaluated_with_next_train(server_round):
+            self._pending = record
+            return None
+        accepted = (
+            self._accept(msg, lambda m: parse_evaluate_reply(m, self.num_partitions)) for msg in replies
+        )
+        evaluations: list[ClientEvaluation] = self._unique([e for e in accepted if e is not None])
+        record.seconds = time.time() - record.started
+        self._close_round(record, evaluations)
         if not evaluations:
-            log(WARNING, "Round %d: no valid evaluation replies", server_round)
             return None
         return MetricRecord(
             {
@@ -555,3 +586,20 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 "num-clients": len(evaluations),
             }
         )
+
+    def _close_round(self, record: RoundRecord, evaluations: list[ClientEvaluation]) -> None:
+        """Complete ``record`` with its evaluations and hand it to ``on_round_end`` (outputs and
+        the checkpoint of the state this round left)."""
+        record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
+        record.test_loss = {e.partition_id: e.loss for e in evaluations}
+        record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
+        record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
+                              if e.generalized_accuracy is not None}
+        record.centroid_classes = int(self.centroid_mask.sum())
+        if evaluations:
+            log(INFO, "Round %d: mean personalized accuracy %.2f%% over %d clients", record.round,
+                100 * record.mean_accuracy, len(evaluations))
+        else:
+            log(WARNING, "Round %d: no valid evaluation replies", record.round)
+        if self.on_round_end is not None:
+            self.on_round_end(record)
