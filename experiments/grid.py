@@ -15,6 +15,8 @@ FedCCFA's metric, measured every ``generalized-every`` rounds and at the last)::
     alpha-rounds = [1, 50, 200]     # rounds whose combination weights are plotted
     [run-config]                    # overrides for every cell (keys of [tool.flwr.app.config])
     dataset = "fashion-mnist"
+    [method-config]                 # a method's own recipe, in every experiment that lists it
+    fedrep = { fedrep-body-epochs = 5 }
 
     [experiments.table1]
     title = "Table 1"
@@ -23,6 +25,9 @@ FedCCFA's metric, measured every ``generalized-every`` rounds and at the last)::
     clients = 100
     run-config = { fraction-train = 0.3 }
     paper = { fedpac = 92.72 }      # optional: the paper's number, shown next to ours
+
+A method's ``method-config`` applies over the levels' ``run-config`` (a baseline's recipe is its
+own, whatever the setting), and the command line's ``--set`` over both.
 
 A cell is one (method, setting, seed): one simulation. Cells with identical run configs and
 client counts (FedPAC with 20 clients appears in several of the paper's tables) are one cell,
@@ -135,10 +140,14 @@ class Experiment:
     rounds: int
     alpha_rounds: list[int]
     metric: str = "personalized"  # one of METRICS: what the table reports
+    method_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method, over the setting's
+    command_line: dict[str, Any] = field(default_factory=dict)  # --set, over everything
 
     def cell(self, setting: Setting, method: str, seed: int) -> Cell:
         run_config = {
             **setting.run_config,
+            **self.method_config.get(method, {}),
+            **self.command_line,
             "strategy": method,
             "seed": seed,
             "num-server-rounds": self.rounds,
@@ -237,6 +246,19 @@ def _methods(value: Any, where: str) -> list[str]:
     return list(value)
 
 
+def _method_config(value: Any) -> dict[str, dict[str, Any]]:
+    """The grid's ``[method-config]``: run-config overrides per method name."""
+    recipes = _table(value, "method-config")
+    unknown = sorted(set(recipes) - set(METHODS))
+    if unknown:
+        raise GridError(f"method-config: unknown method(s) {', '.join(unknown)}; one of {', '.join(METHODS)}")
+    checked = {}
+    for method, raw in recipes.items():
+        checked[method] = _table(raw, f"method-config.{method}")
+        _check_run_config(checked[method], f"method-config.{method}")
+    return checked
+
+
 def _select(names: list[str], wanted: list[str] | None) -> list[str]:
     return names if wanted is None else [n for n in names if n in wanted]
 
@@ -249,7 +271,9 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise GridError(f"cannot read grid file {path}: {err}") from err
     _check_run_config(overrides.run_config, "--set")
-    top = _level(document, {"seeds": [0], "alpha-rounds": [], "run-config": {}}, "grid", {"experiments", "metric"})
+    top = _level(document, {"seeds": [0], "alpha-rounds": [], "run-config": {}}, "grid",
+                 {"experiments", "metric", "method-config"})
+    method_config = _method_config(document.get("method-config", {}))
     top_metric = _metric(document, METRICS[0], "grid")
     tables = _table(document.get("experiments"), "experiments")
     if not tables:
@@ -297,6 +321,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
             # plotted rounds beyond a shortened run move to its last round
             alpha_rounds=sorted({min(r, rounds) for r in level["alpha-rounds"]}),
             metric=metric,
+            method_config=method_config,
+            command_line=dict(overrides.run_config),
         )
         for setting, cell in experiment.cells():
             try:

@@ -16,7 +16,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.aggregation import Clustering
-from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
 from common.methods import METHODS, Rule
 from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
@@ -218,6 +218,9 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
 def main(grid: Grid, context: Context) -> None:
     """Run FedPAC (or the run config's baseline) for ``num-server-rounds`` rounds."""
     cfg = parse_run_config(context.run_config)  # fails before any training on a bad value
+    note = dataset_defaults_note(context.run_config, cfg)
+    if note:
+        log(INFO, "%s", note)
     _, report = run_fedpac(ResponsiveGrid(grid), cfg, context.run_id)
     log(INFO, "%s finished: final mean personalized accuracy %.2f%%; outputs in %s", cfg.strategy,
         100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), report.directory)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pyproject_defaults_match_the_dataclass_and_the_paper():
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = parse_run_config(table)
-    assert cfg == FedPACConfig()  # one source of truth for defaults
+    assert cfg == parse_run_config({})  # one source of truth for defaults
+    assert table["extractor-lr"] == 0 and FedPACConfig().extractor_lr == 0.01  # the dataset's
     assert (cfg.local_epochs, cfg.batch_size, cfg.head_lr, cfg.extractor_lr) == (5, 50, 0.1, 0.01)
     assert (cfg.momentum, cfg.weight_decay, cfg.lambda_align, cfg.uniform_share) == (0.5, 5e-4, 1.0, 20.0)
     assert cfg.samples_per_client == 600
@@ -28,7 +29,7 @@ def test_pyproject_defaults_match_the_dataclass_and_the_paper():
         ("fraction-train", 1.5, "(0, 1]"),
         ("fraction-evaluate", 0, "(0, 1]"),
         ("head-lr", -0.1, "> 0"),
-        ("extractor-lr", 0, "> 0"),
+        ("extractor-lr", -0.01, "> 0"),
         ("lambda-align", -1.0, ">= 0"),
         ("weight-decay", -1e-4, ">= 0"),
         ("momentum", 1.0, "[0, 1)"),
@@ -64,3 +65,15 @@ def test_named_datasets_fix_the_model_shape():
     assert cfg.num_classes == 62
     with pytest.raises(ConfigError, match="'hf-repo'"):
         parse_run_config({"dataset": "hf"})
+
+
+def test_the_dataset_sets_its_step_size_unless_the_run_config_does():
+    assert parse_run_config({"dataset": "fashion-mnist"}).extractor_lr == 0.01
+    cifar = parse_run_config({"dataset": "cifar10"})
+    assert cifar.extractor_lr == 0.02 == FedPACConfig(dataset="cifar10").extractor_lr  # the paper's eta
+    assert "0.02" in dataset_defaults_note({"dataset": "cifar10", "extractor-lr": 0.0}, cifar)
+    explicit = {"dataset": "cifar10", "extractor-lr": 0.05}
+    assert parse_run_config(explicit).extractor_lr == 0.05
+    assert "0.05 from the run config, instead of the paper's 0.02" in dataset_defaults_note(
+        explicit, parse_run_config(explicit))
+    assert dataset_defaults_note({}, parse_run_config({})) is None

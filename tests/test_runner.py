@@ -97,6 +97,30 @@ def test_bad_grids_fail_before_anything_runs_and_say_why(tmp_path, change, fragm
     assert fragment in str(err.value)
 
 
+def test_a_methods_recipe_applies_to_its_cells_over_the_settings_and_under_the_command_line(tmp_path):
+    text = TINY.replace('methods = ["fedavg", "fedpac"]', 'methods = ["fedavg-ft", "fedrep", "fedpac"]') + """
+[experiments.tiny.settings.longer]
+run-config = { local-epochs = 3, finetune-epochs = 2 }
+[method-config]
+fedrep = { fedrep-body-epochs = 5 }
+fedavg-ft = { finetune-epochs = 4 }
+"""
+    (experiment,) = load_grid(_grid(tmp_path, text))
+    cells = {(setting.name, cell.method): cell.run_config for setting, cell in experiment.cells()}
+    assert cells[("longer", "fedrep")]["fedrep-body-epochs"] == 5
+    assert cells[("longer", "fedrep")]["local-epochs"] == 3  # the setting's other keys stay
+    assert cells[("longer", "fedavg-ft")]["finetune-epochs"] == 4  # the recipe over the setting
+    assert "fedrep-body-epochs" not in cells[("s-20", "fedpac")]  # only the method's own cells
+    (experiment,) = load_grid(_grid(tmp_path, text), Overrides(run_config={"finetune-epochs": 1}))
+    assert all(cell.run_config["finetune-epochs"] == 1 for _, cell in experiment.cells())  # --set wins
+    for bad, fragment in (("fedrepp = { fedrep-body-epochs = 5 }", "method-config: unknown method(s) fedrepp"),
+                          ("fedrep = { seed = 3 }", "method-config.fedrep: seed are set by the grid"),
+                          ("fedrep = { fedrep-body-epochs = 0 }", "'fedrep-body-epochs'")):
+        with pytest.raises(GridError) as err:
+            load_grid(_grid(tmp_path, text.replace("fedrep = { fedrep-body-epochs = 5 }", bad)))
+        assert fragment in str(err.value)
+
+
 def test_the_metric_is_personalized_by_default_inherited_from_the_top_and_set_per_experiment(tmp_path):
     (tiny,) = load_grid(_grid(tmp_path))
     assert tiny.metric == "personalized"
