@@ -72,6 +72,11 @@ class RunOutputs:
         return (self.directory / "checkpoint.npz").is_file()
 
     @property
+    def compute_seconds(self) -> float:
+        """The run's rounds' wall time, summed (across resumes; start-up not included)."""
+        return float(sum(float(r.get("seconds") or 0.0) for r in self.rounds))
+
+    @property
     def final_accuracy(self) -> float:
         """The last round's mean personalized accuracy, in %."""
         return 100.0 * float(self.rounds[-1]["mean_accuracy"]) if self.rounds else math.nan
@@ -363,12 +368,30 @@ def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> li
     return written
 
 
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 360 else f"{seconds / 60:.1f} min"
+
+
+def compute_line(experiment: Experiment, results: Results) -> str:
+    """The experiment's computing so far and, at that pace, what its unfinished cells need."""
+    total = len(experiment.cells())
+    spent = sum(run.compute_seconds for run in results.values())
+    rounds = sum(run.completed_rounds for run in results.values())
+    line = f"Compute: {len(results)} of {total} cells finished, their rounds took {_hours(spent)}"
+    if len(results) < total:
+        left = (total - len(results)) * experiment.rounds * spent / rounds if rounds else math.nan
+        line += (f"; the {total - len(results)} cells left need about {_hours(left)} at that pace"
+                 if rounds else f"; {total - len(results)} cells left")
+    return line + "."
+
+
 def write_report(experiment: Experiment, results: Results, directory: Path) -> list[dict[str, Any]]:
     """Rewrite the experiment's summary.csv, table.md, accuracy.png and alpha heatmaps."""
     directory.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(experiment, results)
     atomic_write(directory / "summary.csv", summary_csv(rows, summary_columns(experiment)))
-    atomic_write(directory / "table.md", markdown_table(experiment, rows).encode())
+    table = markdown_table(experiment, rows) + "\n" + compute_line(experiment, results) + "\n"
+    atomic_write(directory / "table.md", table.encode())
     atomic_write(directory / "curves.csv", curves_csv(experiment, results))
     if experiment.metric == "generalized":
         atomic_write(directory / "curves-generalized.csv", curves_csv(experiment, results, generalized=True))

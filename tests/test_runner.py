@@ -190,7 +190,7 @@ def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-
     config = {**cell.identity["config"], "output_dir": str(directory), "resume_from": ""}
     rounds = []
     for number, accuracy in enumerate(accuracies, start=1):
-        record = {"round": number, "mean_accuracy": accuracy,
+        record = {"round": number, "mean_accuracy": accuracy, "seconds": 30.0,
                   "accuracy": {str(p): accuracy for p in range(cell.clients)},
                   "alpha": [], "alpha_partitions": [], "group": {str(p): p % 5 for p in range(cell.clients)},
                   "generalized": {}}
@@ -333,6 +333,7 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     assert by_method["fedpac"]["seeds"] == "2" and by_method["fedpac"]["setting"] == "s-20"
     table = (report / "table.md").read_text()
     assert "| fedpac | 91.00 ± 1.41 (n=2) (91.83) |" in table and "| fedavg | 81.00 ± 1.41 (n=2) |" in table
+    assert "Compute: 4 of 4 cells finished, their rounds took 4.0 min." in table  # 4 cells x 2 rounds x 30 s
     curves = list(csv.DictReader((report / "curves.csv").open()))
     assert [(r["method"], r["round"], r["seeds"]) for r in curves] == [
         ("fedavg", "1", "2"), ("fedavg", "2", "2"), ("fedpac", "1", "2"), ("fedpac", "2", "2")]
@@ -440,3 +441,14 @@ def test_a_real_grid_resumes_without_redoing_finished_cells(tmp_path, capsys):
         assert 0 < cell_run.final_accuracy <= 100
     assert sorted(p.name for p in (out / "tiny" / "alpha").iterdir()) == [
         "s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]
+
+
+def test_the_report_says_what_the_grid_computed_and_what_is_left(tmp_path):
+    from experiments.summary import RunOutputs, compute_line
+
+    (experiment,) = load_grid(_grid(tmp_path), Overrides(seeds=[0, 1]))  # 2 methods x 2 seeds
+    run = RunOutputs(tmp_path, {}, [{"round": 1, "seconds": 20.0}, {"round": 2, "seconds": 40.0}], 0.0)
+    line = compute_line(experiment, {("s-20", "fedpac", 0): run})
+    # 60 s for 2 rounds; 3 cells x 2 rounds left at 30 s a round
+    assert line == ("Compute: 1 of 4 cells finished, their rounds took 1.0 min; "
+                    "the 3 cells left need about 3.0 min at that pace.")
