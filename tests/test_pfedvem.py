@@ -17,7 +17,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, MessageType, RecordDict
 
 from client_app.train import Received, local_update
 from common import protocol as p
@@ -168,7 +168,8 @@ def test_the_server_step_keeps_every_posterior_mean_and_returns_the_prior_mean()
     assert result.aggregated == [0, 1]
     for kept, sent in zip(result.heads, heads):  # never reset to w
         np.testing.assert_array_equal(kept[p.HEAD_WEIGHT], sent[p.HEAD_WEIGHT])
-    np.testing.assert_allclose(result.global_head[p.HEAD_WEIGHT], (heads[0][p.HEAD_WEIGHT] + heads[1][p.HEAD_WEIGHT]) / 2)
+    expected = (heads[0][p.HEAD_WEIGHT] + heads[1][p.HEAD_WEIGHT]) / 2
+    np.testing.assert_allclose(result.global_head[p.HEAD_WEIGHT], expected)
     with pytest.raises(ValueError, match="rho"):
         aggregate_round(extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None,
                         v=None, num_examples=np.ones(3), method=PFEDVEM)
@@ -465,8 +466,6 @@ def test_a_bad_pfedvem_reply_is_rejected_and_the_round_goes_on(case, caplog):
     strategy = FedPAC(initial_head=initial_head, num_rounds=2, method=PFEDVEM, vem=VEMProtocol(sampling_rate=1.0))
     grid = InProcessGrid(config, 4, tamper=tampering)
     strategy.discover(grid, timeout=60)
-    from flwr.app import ConfigRecord
-
     messages = list(strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid))
     with caplog.at_level(logging.WARNING):
         new_arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
