@@ -153,13 +153,18 @@ def _received(msg: Message, server_round: int, device: torch.device) -> Received
         # the head module's own keys (weight, bias), as the routine loads it into model.head
         initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
                         for key, value in p.from_record(msg.content.array_records[p.INITIAL_HEAD]).items()}
+    posterior = {}
+    if p.POSTERIOR in msg.content:
+        posterior = {key: torch.as_tensor(np.array(value), device=device)
+                     for key, value in p.from_record(msg.content.array_records[p.POSTERIOR]).items()}
     config = msg.content.config_records[p.CONFIG]
     return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
-                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)))
+                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)), posterior=posterior)
 
 
 def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
-    """Centroids, class counts and h: only those the method computed (none for FedAvg & co.)."""
+    """Centroids, class counts and h, FedCCFA's balanced head, pFedVEM's posterior scales: only
+    those the method computed (none for FedAvg & co.)."""
     arrays = {}
     if update.centroids is not None:
         arrays[p.CENTROID_VALUES] = update.centroids.cpu().numpy()
@@ -170,6 +175,9 @@ def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
     if update.balanced_head is not None:
         arrays[p.BALANCED_WEIGHT] = update.balanced_head["weight"].cpu().numpy()
         arrays[p.BALANCED_BIAS] = update.balanced_head["bias"].cpu().numpy()
+    if update.posterior_scale is not None:
+        arrays[p.SCALE_WEIGHT] = update.posterior_scale["weight"].cpu().numpy()
+        arrays[p.SCALE_BIAS] = update.posterior_scale["bias"].cpu().numpy()
     return p.to_record(arrays) if arrays else None
 
 
@@ -189,11 +197,16 @@ def train(msg: Message, context: Context) -> Message:
     if evaluate_round is not None:
         evaluation = _evaluation(model, cfg, context, evaluate_round)
         started = time.perf_counter()
-    x, y, _, _ = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
+    x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     y = current_concept(y, cfg, partition_id, server_round)
     received = _received(msg, server_round, device)
 
     update = local_update(model, x, y, received, cfg, _generator(cfg, server_round, partition_id))
+    train_seconds = time.perf_counter() - started
+    local = None
+    if METHODS[cfg.strategy].evaluates_local_model:
+        # the locally trained model, before the server aggregates anything: pFedVEM's own measure
+        local = evaluate_model(model, x_test, current_concept(y_test, cfg, partition_id, server_round))
 
     metrics = MetricRecord(
         {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, "train-loss": update.train_loss}
@@ -206,7 +219,13 @@ def train(msg: Message, context: Context) -> Message:
         metrics["align-loss"] = update.align_loss
     if update.align_weight is not None:
         metrics["align-weight"] = update.align_weight
-    metrics["train-seconds"] = time.perf_counter() - started
+    if update.rho is not None:
+        metrics[p.RHO] = update.rho
+    if update.posterior_restored is not None:
+        metrics["posterior-restored"] = int(update.posterior_restored)
+    if local is not None:
+        metrics[p.LOCAL_LOSS], metrics[p.LOCAL_ACCURACY] = local
+    metrics["train-seconds"] = train_seconds
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
     content = RecordDict({p.ARRAYS: p.to_record(state), p.METRICS: metrics})
     statistics = _statistics_record(update)

@@ -13,6 +13,8 @@ small training routine:
 * FedCCFA (:func:`clustered_update`): a balanced-batch head from the fixed initial head (the
   server clusters these), the personal head, then the extractor with features pulled towards
   the client's cluster anchors by a contrastive loss weighted by the label entropy.
+* pFedVEM (:func:`variational_update`): the confidence rho_j, the variational E-step on the
+  client's Gaussian head, then the extractor against samples of that head.
 
 A method computes only what its server step uses: statistics only when heads are mixed,
 class means only with feature alignment, the balanced head only when heads are clustered.
@@ -28,11 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import protocol as p
 from common.config import FedPACConfig
 from common.clustering import entropy_weight
 from common.methods import METHODS, Alignment, Method, Routine
 from common.model import FedPACNet
 from common.statistics import FeatureStatistics, class_feature_sums, feature_statistics
+from common.variational import GaussianHead, confidence_rho, e_step, sampled_mean_nll
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class LocalUpdate:
     align_loss: float | None = None  # the alignment term, with feature alignment
     balanced_head: dict[str, torch.Tensor] | None = None  # FedCCFA: the clustering input
     align_weight: float | None = None  # FedCCFA: H(P(Y)) / gamma
+    # pFedVEM: the posterior scales s in nn.Linear's layout ("weight" (K, d), "bias"), the mean
+    # being the model's head; rho_j taken before the E-step; whether the NaN guard restored it
+    posterior_scale: dict[str, torch.Tensor] | None = None
+    rho: float | None = None
+    posterior_restored: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,9 @@ class Received:
     target_mask: torch.Tensor | None = None
     initial_head: dict[str, torch.Tensor] = field(default_factory=dict)
     has_personal_head: bool = False
+    # pFedVEM: the prior mean w ("prior.weight" (K, d), "prior.bias") and this client's posterior
+    # scales ("scale.weight" (K, d), "scale.bias"), all in nn.Linear's layout (common.protocol)
+    posterior: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # An alignment term: (features, labels) -> a scalar loss; its weight is applied by the caller.
@@ -348,6 +360,74 @@ def clustered_update(  # pylint: disable=too-many-arguments
     )
 
 
+@torch.no_grad()
+def _features(model: FedPACNet, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    """f_theta(x) for the whole local set, without gradients, in float32."""
+    return torch.cat([model.extractor(x[start : start + batch_size]).float() for start in range(0, len(x), batch_size)])
+
+
+def variational_update(  # pylint: disable=too-many-arguments
+    model: FedPACNet,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    received: Received,
+    cfg: FedPACConfig,
+    generator: torch.Generator,
+) -> LocalUpdate:
+    """pFedVEM's round (Algorithm 1; the authors' ``vem/vem_client.py``), in the code's order.
+
+    ``model`` holds the global base theta^t and, as its head, the client's posterior mean mu_j;
+    ``received.posterior`` the prior mean w^t and the posterior scales s_j. All three arrive in
+    ``nn.Linear``'s layout and are transposed once, into :class:`GaussianHead`'s (d, K).
+
+    1. rho_j (eq. 7) from the posterior as it came out of the client's last round, against the
+       new w^t: the prior's scale in this round's E-step and the client's weight on the server.
+    2. E-step: ``vem-head-steps`` full-batch SGD steps on (mu, s) against the negative ELBO
+       (summed NLL over ``vem-mc-samples`` reparameterized heads + closed-form KL), the features
+       computed once with the frozen base; a NaN loss restores the posterior.
+    3. The base, head fixed: ``local-epochs`` epochs of minibatches of ``vem-batch-size``, the
+       loss averaged over ``vem-mc-samples`` fresh head samples per minibatch.
+
+    The model leaves holding theta_j and mu_j; the scales travel in ``posterior_scale``. Like the
+    code, no weight decay.
+    """
+    posterior = received.posterior
+    head = GaussianHead.from_linear(model.head.weight, model.head.bias,
+                                    posterior[p.SCALE_WEIGHT], posterior[p.SCALE_BIAS])
+    prior_weight, prior_bias = posterior[p.PRIOR_WEIGHT].T, posterior[p.PRIOR_BIAS]  # (K, d) -> (d, K)
+    rho = confidence_rho(head, prior_weight, prior_bias)
+    model.train()
+    estep = e_step(head, _features(model, x), y, prior_weight, prior_bias, rho, steps=cfg.vem_head_steps,
+                   lr=cfg.vem_head_lr, momentum=cfg.vem_momentum, n_mc=cfg.vem_mc_samples, generator=generator)
+
+    optimizer = torch.optim.SGD(model.extractor.parameters(), lr=cfg.vem_base_lr, momentum=cfg.vem_momentum)
+    total, seen = torch.zeros((), device=x.device), 0
+    for _ in range(cfg.local_epochs):
+        for idx in _batches(len(x), cfg.vem_batch_size, generator, x.device):
+            with _autocast(x, cfg):
+                features = model.extractor(x[idx])
+            loss = sampled_mean_nll(head, features.float(), y[idx], cfg.vem_mc_samples, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach() * len(idx)
+            seen += len(idx)
+
+    weight_mu, bias_mu = head.linear_mean()  # (d, K) -> nn.Linear's (K, d)
+    with torch.no_grad():
+        model.head.weight.copy_(weight_mu)
+        model.head.bias.copy_(bias_mu)
+    weight_s, bias_s = head.linear_scale()
+    return LocalUpdate(
+        num_examples=len(y),
+        train_loss=float(total / max(seen, 1)),
+        head_loss=estep.train_loss,
+        posterior_scale={"weight": weight_s, "bias": bias_s},
+        rho=rho,
+        posterior_restored=estep.restored,
+    )
+
+
 def local_update(  # pylint: disable=too-many-arguments
     model: FedPACNet,
     x: torch.Tensor,
@@ -367,6 +447,8 @@ def local_update(  # pylint: disable=too-many-arguments
     centroids, mask = received.targets, received.target_mask
     if method.routine is Routine.CLUSTERED:
         return clustered_update(model, x, y, received, cfg, generator)
+    if method.routine is Routine.VARIATIONAL:
+        return variational_update(model, x, y, received, cfg, generator)
     if method.routine is Routine.ALTERNATING:
         return alternating_update(model, x, y, centroids, mask, cfg, generator, method)
     if method.routine is Routine.REPRESENTATION:

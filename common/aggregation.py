@@ -1,5 +1,6 @@
 """Server-side aggregation of every method: FedPAC (eq. 18 and 19), its baselines, FedCCFA's
-clustered heads. Pure numpy, no Flower."""
+clustered heads, pFedVEM's confidence-weighted prior mean over the round's sample. Pure numpy,
+no Flower."""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ class RoundAggregate:
     heads: list[dict[str, np.ndarray]]  # the head each input client gets (phi^_i for FedPAC)
     collaboration: CollaborationResult | None  # only when heads are mixed
     clusters: ClassClusters | None = None  # only when heads are clustered: anchors, labels
+    # Confidence-weighted heads (pFedVEM): the new prior mean w, and the input indices (in S_t,
+    # usable) whose extractor and head entered the means
+    global_head: dict[str, np.ndarray] | None = None
+    aggregated: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -155,10 +160,17 @@ def aggregate_round(  # pylint: disable=too-many-arguments
     method: Method = FEDPAC,
     balanced_heads: list[dict[str, np.ndarray]] | None = None,
     clustering: Clustering = Clustering(),
+    rhos: list[float] | None = None,
+    in_sample: list[bool] | None = None,
+    previous_extractor: dict[str, np.ndarray] | None = None,
+    previous_head: dict[str, np.ndarray] | None = None,
 ) -> RoundAggregate:
     """One server step of ``method``; for FedPAC: eq. 18, eq. 19, and every client's
-    collaboration QP + head mix; for FedCCFA: eq. 18 and the clustered heads and anchors.
-    Inputs a method does not use may be ``None``."""
+    collaboration QP + head mix; for FedCCFA: eq. 18 and the clustered heads and anchors; for
+    pFedVEM: eq. 18 and the confidence-weighted prior mean over the replies ``in_sample`` (S_t),
+    every client keeping its own posterior mean. Inputs a method does not use may be ``None``."""
+    if method.head is Rule.CONFIDENCE:
+        return _confidence_round(extractors, heads, rhos, num_examples, in_sample, previous_extractor, previous_head)
     centroids, mask = previous_centroids, previous_mask
     if method.alignment is Alignment.CENTROIDS:
         if local_centroids is None or class_counts is None:
@@ -187,4 +199,35 @@ def aggregate_round(  # pylint: disable=too-many-arguments
         heads=new_heads,
         collaboration=collaboration,
         clusters=clusters,
+    )
+
+
+def _confidence_round(  # pylint: disable=too-many-arguments
+    extractors: list[dict[str, np.ndarray]],
+    heads: list[dict[str, np.ndarray]],
+    rhos: list[float] | None,
+    num_examples: np.ndarray,
+    in_sample: list[bool] | None,
+    previous_extractor: dict[str, np.ndarray] | None,
+    previous_head: dict[str, np.ndarray] | None,
+) -> RoundAggregate:
+    """pFedVEM's server step (``common.variational.aggregate_sample``) in this module's terms."""
+    # imported here: common.variational builds on this module's weighted_average
+    from common.variational import aggregate_sample  # pylint: disable=import-outside-toplevel
+
+    if rhos is None or in_sample is None or previous_extractor is None or previous_head is None:
+        raise ValueError("confidence-weighted heads need every rho, the sample S_t and the previous state")
+    weight_key, bias_key = _head_keys(previous_head)
+    result = aggregate_sample(
+        extractors, [h[weight_key] for h in heads], [h[bias_key] for h in heads], rhos, num_examples,
+        in_sample, previous_extractor, (previous_head[weight_key], previous_head[bias_key]),
+    )
+    return RoundAggregate(
+        extractor=result.extractor,
+        centroids=None,
+        centroid_mask=None,
+        heads=combine(Rule.LOCAL, heads, num_examples),  # the posterior persists: never reset to w
+        collaboration=None,
+        global_head={weight_key: result.weight, bias_key: result.bias},
+        aggregated=result.used,
     )

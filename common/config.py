@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from common.clustering import WEIGHTS
 from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift
-from common.methods import METHODS
+from common.methods import METHODS, SAMPLE_PROTOCOLS
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
 # The paper's step size eta of local training, per dataset (Appendix B.3: 0.01 for
@@ -89,6 +89,20 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     align_lambda: float = 0.0
     align_temperature: float = 0.1  # tau of the contrastive alignment
     align_from_round: int = 21  # the code aligns from its 0-based round 20, our round 21
+    # pFedVEM (Zhu et al., CVPR 2023; the authors' experiment/configs/cifar10.json where it differs
+    # from FedPAC's defaults; no weight decay, as in the code). The base trains local-epochs (5).
+    # Who trains: "all-train" (every client, every round; the paper's protocol) or
+    # "sampled-train" (only the round's sample S_t). Either way only S_t is aggregated, each client
+    # in S_t with probability vem-sampling-rate (at least 2), seeded by (seed, round).
+    vem_protocol: str = "all-train"
+    vem_sampling_rate: float = 0.1
+    vem_head_steps: int = 10  # full-batch SGD steps of the E-step on (mu, s)
+    vem_mc_samples: int = 5  # M: head samples per E-step step and per base minibatch
+    vem_head_lr: float = 1e-3
+    vem_base_lr: float = 1e-3
+    vem_momentum: float = 0.9  # both phases
+    vem_batch_size: int = 10  # base minibatches
+    vem_initial_sigma: float = 1.0  # every client's posterior starts at N(w^0, vem-initial-sigma^2)
     # Classifier collaboration
     alpha_threshold: float = 1e-3
     qp_solver: str = "vectorized"
@@ -246,6 +260,22 @@ def _validate(cfg: FedPACConfig) -> None:
         _check(value >= 0, k(name), value, ">= 0")
     _check(cfg.cluster_weights in WEIGHTS, k("cluster_weights"), cfg.cluster_weights,
            f"one of {', '.join(WEIGHTS)}")
+    _check(cfg.vem_protocol in SAMPLE_PROTOCOLS, k("vem_protocol"), cfg.vem_protocol,
+           f"one of {', '.join(SAMPLE_PROTOCOLS)}")
+    _check(0.0 < cfg.vem_sampling_rate <= 1.0, k("vem_sampling_rate"), cfg.vem_sampling_rate, "in (0, 1]")
+    _check(cfg.vem_head_steps >= 0, k("vem_head_steps"), cfg.vem_head_steps, ">= 0")
+    for name in ("vem_mc_samples", "vem_batch_size"):
+        value = getattr(cfg, name)
+        _check(value >= 1, k(name), value, ">= 1")
+    for name in ("vem_head_lr", "vem_base_lr", "vem_initial_sigma"):
+        value = getattr(cfg, name)
+        _check(value > 0, k(name), value, "> 0")
+    _check(0.0 <= cfg.vem_momentum < 1.0, k("vem_momentum"), cfg.vem_momentum, "in [0, 1)")
+    # pFedVEM draws who is aggregated (and, sampled-train, who trains) itself: a second sampling
+    # on top would silently change its protocol
+    _check(not METHODS[cfg.strategy].aggregates_a_sample or cfg.fraction_train == 1.0, k("fraction_train"),
+           cfg.fraction_train, f"1 with strategy '{cfg.strategy}', which samples with vem-sampling-rate "
+           "and vem-protocol")
     _check(cfg.drift in DRIFT_PATTERNS, k("drift"), cfg.drift, f"one of {', '.join(DRIFT_PATTERNS)}")
     _check(parse_drift_rounds(cfg.drift_rounds) is not None, k("drift_rounds"), cfg.drift_rounds,
            "empty or comma-separated round numbers >= 0")

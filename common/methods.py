@@ -1,13 +1,15 @@
 """Every method of the product, each described by what it shares, not by a copy of the strategy.
 
-FedPAC, its baselines (Table 1) and ablations (Table 2), and FedCCFA (Chen et al., NeurIPS
-2024) all train the same split model (feature extractor theta + linear head phi) on the same
-data and differ only in
+FedPAC, its baselines (Table 1) and ablations (Table 2), FedCCFA (Chen et al., NeurIPS 2024) and
+pFedVEM (Zhu et al., CVPR 2023) all train the same split model (feature extractor theta + linear
+head phi) on the same data and differ only in
 
 * what the server does with each part of the model after a round (:class:`Rule`): average it
   over the clients by sample count (eq. 18), mix the heads with the collaboration QP (FedPAC
-  eq. 11), merge them class by class within clusters of clients (FedCCFA), or keep every
-  client's own part (stored on the server by partition-id);
+  eq. 11), merge them class by class within clusters of clients (FedCCFA), keep every
+  client's own part (stored on the server by partition-id), or keep every client's Gaussian
+  posterior over its head and average the posterior means by confidence into the prior mean
+  (pFedVEM);
 * which features local training aligns, and to what (:class:`Alignment`): the global class
   centroids (FedPAC eq. 3) or the client's cluster anchors (FedCCFA); either way clients send
   their class means back;
@@ -16,9 +18,9 @@ data and differ only in
 
 Where each piece lives: the server rules in ``common.aggregation`` (with the QP in
 ``common.collaboration`` and the class-level clustering in ``common.clustering``), the routines
-and alignment losses in ``client_app.train``. The Flower glue (``server_app.strategy``,
-``client_app.app``) reads only these flags; no method has a strategy or a training loop of its
-own, and no glue names a method.
+and alignment losses in ``client_app.train``, pFedVEM's math in ``common.variational``. The
+Flower glue (``server_app.strategy``, ``client_app.app``) reads only these flags; no method has a
+strategy or a training loop of its own, and no glue names a method.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Rule(str, Enum):
     # per client, class by class: the mean of the trained rows phi_j[c] of the clients j whose
     # balanced heads cluster with it for class c (FedCCFA)
     CLUSTER = "cluster"
+    # per client: its posterior q_j = N(mu_j, sigma_j^2), kept on the server by partition-id; one
+    # global prior mean w = sum_{j in S_t} tau_j mu_j / sum tau_j over the round's sample S_t,
+    # tau_j = 1 / rho_j^2 (pFedVEM eq. 7). The extractor is then averaged over S_t as well.
+    CONFIDENCE = "confidence"
 
 
 class Alignment(str, Enum):
@@ -55,6 +61,14 @@ class Routine(str, Enum):
     # FedCCFA: a balanced-batch head from the fixed initial head phi^0 (only for the server's
     # clustering), the personal head, then extractor epochs
     CLUSTERED = "clustered"
+    # pFedVEM: rho_j from the posterior as received, the variational E-step on the head (full-batch
+    # negative ELBO against the prior N(w, rho_j^2)), then extractor epochs against head samples
+    VARIATIONAL = "variational"
+
+
+# Who trains in a method whose server aggregates a sample S_t (``Method.aggregates_a_sample``):
+# every client ("all-train", the pFedMe/pFedVEM protocol) or S_t only ("sampled-train").
+SAMPLE_PROTOCOLS = ("all-train", "sampled-train")
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,11 @@ class Method:
             raise ValueError(f"{self.name}: anchors come from, and only from, clustered heads")
         if (self.routine is Routine.CLUSTERED) != (self.head is Rule.CLUSTER):
             raise ValueError(f"{self.name}: clustered heads need the balanced heads of the clustered routine")
+        if (self.routine is Routine.VARIATIONAL) != (self.head is Rule.CONFIDENCE):
+            raise ValueError(f"{self.name}: confidence-weighted heads need the posteriors of the variational routine")
+        shares_plain_base = self.extractor is Rule.AVERAGE and self.alignment is Alignment.NONE
+        if self.head is Rule.CONFIDENCE and not shares_plain_base:
+            raise ValueError(f"{self.name}: posteriors come with an averaged extractor and no feature alignment")
 
     @property
     def needs_statistics(self) -> bool:
@@ -105,6 +124,32 @@ class Method:
     def personal_heads(self) -> bool:
         """Whether the server keeps a head per client (everything but an averaged head)."""
         return self.head is not Rule.AVERAGE
+
+    @property
+    def keeps_posteriors(self) -> bool:
+        """The server keeps every client's posterior (mean as its head, and the scales s) by
+        partition-id, sends it down with the prior mean w and gets it back trained: the posterior
+        is client state that must outlive rounds, SuperNode restarts and a resumed server."""
+        return self.head is Rule.CONFIDENCE
+
+    @property
+    def keeps_global_head(self) -> bool:
+        """One head on the server besides any personal ones: FedAvg's average, pFedVEM's prior
+        mean w. It is checkpointed."""
+        return self.head in (Rule.AVERAGE, Rule.CONFIDENCE)
+
+    @property
+    def aggregates_a_sample(self) -> bool:
+        """The server draws the round's sample S_t itself (each client with probability r, at
+        least 2) and aggregates only S_t's replies; who *trains* is the protocol's choice
+        (every client, or S_t only). pFedVEM's (and pFedMe's) protocol."""
+        return self.head is Rule.CONFIDENCE
+
+    @property
+    def evaluates_local_model(self) -> bool:
+        """A training reply also carries the accuracy of the locally trained model before
+        aggregation (pFedVEM's own evaluation: the local base with the posterior mean)."""
+        return self.routine is Routine.VARIATIONAL
 
     @property
     def sends_class_counts(self) -> bool:
@@ -141,5 +186,7 @@ METHODS: dict[str, Method] = {
         Method("fedrep", Rule.AVERAGE, Rule.LOCAL, NO, Routine.REPRESENTATION),
         # FedCCFA: classifier clustering and feature alignment under distributed concept drift.
         Method("fedccfa", Rule.AVERAGE, Rule.CLUSTER, Alignment.ANCHORS, Routine.CLUSTERED),
+        # pFedVEM: a Bayesian linear head per client, confidence-weighted prior mean, FedAvg base.
+        Method("pfedvem", Rule.AVERAGE, Rule.CONFIDENCE, NO, Routine.VARIATIONAL),
     )
 }

@@ -3,11 +3,14 @@
 Server -> client (train and evaluate): ``arrays`` (global extractor + the client's personalized
 head), ``centroids`` (train only: the alignment targets and their mask: global class centroids,
 or FedCCFA's anchors of this client), ``initial-head`` (train only, FedCCFA: the fixed phi^0 its
-balanced head starts from), ``config`` (the server round; FedCCFA: whether the server holds a
+balanced head starts from), ``posterior`` (train only, pFedVEM: the prior mean w and this
+client's posterior scales s; its posterior mean is the head in ``arrays``), ``config`` (the
+server round; FedCCFA: whether the server holds a
 personal head for this client; with fused evaluation, the earlier round whose model this is
 and that the client evaluates before training).
 Client -> server (train): ``arrays`` (trained extractor + head), ``statistics`` (local centroids,
-class counts, h; FedCCFA's balanced head), ``metrics`` (partition-id, num-examples, v, losses)
+class counts, h; FedCCFA's balanced head; pFedVEM's posterior scales), ``metrics``
+(partition-id, num-examples, v, losses; pFedVEM's rho and the local model's accuracy)
 and, when the server asked for it, ``evaluation`` (the evaluate reply's metrics for that round).
 Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss, and the
 generalized accuracy in the rounds it is measured).
@@ -15,6 +18,10 @@ generalized accuracy in the rounds it is measured).
 Baselines (``common.methods``) send only what their server step uses: ``centroids`` down and
 local centroids up only with feature alignment, h and v only with classifier collaboration,
 no ``statistics`` record at all for FedAvg, FedAvg-FT, FedPer, FedRep and Local-only.
+
+Every head on the wire is in ``nn.Linear``'s layout, weight (K, d): pFedVEM's posterior mean
+and scales and its prior mean too (its paper and code write W as (d, K); the client transposes,
+in ``common.variational.GaussianHead.from_linear`` and back).
 
 Every ArrayRecord is packed: its named arrays travel as one uncompressed .npz buffer, one Array.
 Flower moves each Array (and each chunk of it) of a message as a request of its own on every
@@ -40,6 +47,7 @@ METRICS = "metrics"
 CONFIG = "config"
 INITIAL_HEAD = "initial-head"
 EVALUATION = "evaluation"
+POSTERIOR = "posterior"
 PACKED = "npz"  # the one Array of a packed record
 
 # Keys inside the records.
@@ -58,6 +66,15 @@ HEAD_BIAS = "head.bias"
 BALANCED_WEIGHT = "balanced-head.weight"
 BALANCED_BIAS = "balanced-head.bias"
 GENERALIZED_ACCURACY = "generalized-accuracy"
+# pFedVEM: the prior mean w and a posterior's pre-softplus scales s (sigma = softplus(s)),
+# (K, d) and (K,) like the head
+PRIOR_WEIGHT = "prior.weight"
+PRIOR_BIAS = "prior.bias"
+SCALE_WEIGHT = "scale.weight"
+SCALE_BIAS = "scale.bias"
+RHO = "rho"  # the client's prior scale rho_j (eq. 7), taken before its E-step; tau_j = 1 / rho_j^2
+LOCAL_ACCURACY = "local-accuracy"  # the locally trained model before aggregation (pFedVEM's own)
+LOCAL_LOSS = "local-loss"
 
 NDArrays = dict[str, np.ndarray]
 

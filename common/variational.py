@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from common.aggregation import weighted_average
+from common.methods import SAMPLE_PROTOCOLS as PROTOCOLS
 
 
 def softplus_inverse(scale: float) -> float:
@@ -84,6 +85,27 @@ class GaussianHead:
             weight_s=torch.full_like(weight, s).requires_grad_(True),
             bias_s=torch.full_like(bias, s).requires_grad_(True),
         )
+
+    @classmethod
+    def from_linear(
+        cls, weight_mu: torch.Tensor, bias_mu: torch.Tensor, weight_s: torch.Tensor, bias_s: torch.Tensor
+    ) -> GaussianHead:
+        """A posterior from tensors in ``nn.Linear``'s layout, weight (K, d): the wire's and the
+        server's layout. The weights are transposed here to pFedVEM's (d, K) (trainable copies)."""
+        return cls(
+            weight_mu=weight_mu.detach().T.clone().requires_grad_(True),
+            bias_mu=bias_mu.detach().clone().requires_grad_(True),
+            weight_s=weight_s.detach().T.clone().requires_grad_(True),
+            bias_s=bias_s.detach().clone().requires_grad_(True),
+        )
+
+    def linear_mean(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu_W^T (K, d), mu_b): the posterior mean as an ``nn.Linear`` head (detached copies)."""
+        return self.weight_mu.detach().T.clone(), self.bias_mu.detach().clone()
+
+    def linear_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_W^T (K, d), s_b): the pre-softplus scales in ``nn.Linear``'s layout (detached copies)."""
+        return self.weight_s.detach().T.clone(), self.bias_s.detach().clone()
 
     def parameters(self) -> list[torch.Tensor]:
         """[weight_mu, bias_mu, weight_s, bias_s], the code's ``var_params`` order."""
@@ -286,6 +308,101 @@ def predict(features: torch.Tensor, weight_mu: torch.Tensor, bias_mu: torch.Tens
 
 
 # ---------------------------------------------------------------- server side (numpy)
+
+# Separates the sample's random stream from the harness's node sampling of the same (seed, round).
+_SAMPLE_STREAM = 0x56454D  # "VEM"
+
+
+@dataclass(frozen=True)
+class VEMProtocol:
+    """How a pFedVEM round runs (run config ``vem-protocol``, ``vem-sampling-rate``), and the
+    scale every client's posterior starts from (``vem-initial-sigma``).
+
+    ``all-train`` is the paper's and the code's: every client trains every round, the server
+    aggregates the sample S_t only, and keeps every client's posterior. ``sampled-train`` trains
+    only S_t: cheaper, but clients outside S_t skip their E-step, which changes the algorithm.
+    """
+
+    protocol: str = "all-train"
+    sampling_rate: float = 0.1
+    initial_sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if not 0.0 < self.sampling_rate <= 1.0:
+            raise ValueError(f"the sampling rate must be in (0, 1], got {self.sampling_rate}")
+
+    @property
+    def all_train(self) -> bool:
+        return self.protocol == "all-train"
+
+
+def draw_sample(num_clients: int, rate: float, seed: int, server_round: int, minimum: int = 2) -> list[int]:
+    """S_t: each of the clients 0..num_clients-1 independently with probability ``rate``, drawn
+    again until at least ``minimum`` are in (the code's ``BinomialSampler``); all of them when
+    there are no more than ``minimum``.
+
+    Seeded by (``seed``, ``server_round``) alone, as the paper says (the code seeds 1234 in every
+    run): a resumed run, or a run whose nodes restarted, draws the same S_t.
+    """
+    if num_clients <= minimum:
+        return list(range(num_clients))
+    rng = np.random.default_rng([seed, server_round, _SAMPLE_STREAM])
+    while True:
+        chosen = np.flatnonzero(rng.random(num_clients) < rate)
+        if len(chosen) >= minimum:
+            return [int(j) for j in chosen]
+
+
+@dataclass(frozen=True)
+class SampleAggregate:
+    """One pFedVEM server step over S_t: theta^{t+1}, w^{t+1} = (weight, bias) in the layout the
+    inputs had, and the input indices whose base and head entered the means."""
+
+    extractor: dict[str, np.ndarray]
+    weight: np.ndarray
+    bias: np.ndarray
+    used: list[int]
+    excluded: dict[int, str] = field(default_factory=dict)
+
+
+def aggregate_sample(  # pylint: disable=too-many-arguments
+    extractors: list[dict[str, np.ndarray]],
+    weights: list[np.ndarray],
+    biases: list[np.ndarray],
+    rhos: list[float],
+    num_examples: list[float] | np.ndarray,
+    in_sample: list[bool],
+    previous_extractor: dict[str, np.ndarray],
+    previous_head: tuple[np.ndarray, np.ndarray],
+) -> SampleAggregate:
+    """theta^{t+1} (sample-weighted, :func:`aggregate_bases`) and w^{t+1} (confidence-weighted,
+    :func:`aggregate_heads`) over the replies in S_t only (``in_sample``); replies outside S_t
+    trained their posterior, which the caller keeps, but enter no mean.
+
+    Elementwise means: ``weights`` may be in either layout, (d, K) or ``nn.Linear``'s (K, d), as
+    long as ``previous_head`` is in the same. A client is used for both parts or for neither, so
+    that theta^{t+1} and w^{t+1} come from the same clients. Without a usable client in S_t the
+    previous extractor and head are kept.
+    """
+    count = len(extractors)
+    if not count == len(weights) == len(biases) == len(rhos) == len(num_examples) == len(in_sample):
+        raise ValueError("one extractor, head, rho, sample count and membership per reply")
+    sampled = [j for j in range(count) if in_sample[j]]
+    heads = aggregate_heads([weights[j] for j in sampled], [biases[j] for j in sampled],
+                            [rhos[j] for j in sampled], previous=previous_head)
+    usable = [sampled[i] for i in heads.used]
+    excluded = {sampled[i]: reason for i, reason in heads.excluded.items()}
+    n = np.asarray(num_examples, dtype=np.float64)
+    bases = aggregate_bases([extractors[j] for j in usable], n[usable], previous=previous_extractor)
+    excluded.update({usable[i]: reason for i, reason in bases.excluded.items()})
+    used = [usable[i] for i in bases.used]
+    if len(used) < len(usable):  # a client left out of the base leaves the head, too
+        heads = aggregate_heads([weights[j] for j in used], [biases[j] for j in used],
+                                [rhos[j] for j in used], previous=previous_head)
+    assert bases.state is not None  # the previous extractor stands in when nobody is usable
+    return SampleAggregate(bases.state, heads.weight, heads.bias, used, excluded)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ from flwr.supercore import log
 from common import protocol as p
 from common.aggregation import Clustering
 from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
-from common.methods import METHODS, Rule
-from common.model import FedPACNet, split_state
+from common.methods import METHODS
+from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
+from common.variational import VEMProtocol, initial_global_head
 from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from server_app.grid import ResponsiveGrid
 from common.files import atomic_write, npz_bytes
@@ -48,14 +49,17 @@ def model_shape(cfg: FedPACConfig) -> tuple[int, int, int]:
 def save_final_state(strategy: FedPAC, path: Path) -> None:
     """Global extractor, centroids and every personalized head, in one .npz.
 
-    FedAvg's single head is saved as ``head/...``; Local-only's per-client extractors as
-    ``client-<pid>/extractor...`` next to their heads.
+    FedAvg's single head (pFedVEM's prior mean) is saved as ``head/...``; Local-only's
+    per-client extractors as ``client-<pid>/extractor...`` next to their heads; pFedVEM's
+    posterior scales as ``client-<pid>/scale/head...`` next to the posterior means.
     """
     arrays = {f"extractor/{k}": v for k, v in (strategy.extractor or {}).items()}
     arrays["centroids"] = strategy.centroids
     arrays["centroid_mask"] = strategy.centroid_mask
-    if strategy.method.head is Rule.AVERAGE:
+    if strategy.method.keeps_global_head:
         arrays.update({f"head/{k}": v for k, v in strategy.global_head.items()})
+    for pid, scale in sorted(strategy.posterior_scales.items()):
+        arrays.update({f"client-{pid}/scale/{k}": v for k, v in scale.items()})
     for pid, head in sorted(strategy.heads.items()):
         arrays.update({f"client-{pid}/{k}": v for k, v in head.items()})
     for pid, extractor in sorted(strategy.local_extractors.items()):
@@ -136,10 +140,20 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     ]
 
 
+def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
+    """pFedVEM's w^0: W_bar, b_bar ~ N(0, 1) seeded by the run's seed (the code's ``torch.randn``,
+    not nn.Linear's initialization), in nn.Linear's layout: the (d, K) draw is transposed."""
+    weight, bias = initial_global_head(EMBEDDING_DIM, cfg.num_classes, torch.Generator().manual_seed(cfg.seed))
+    return {p.HEAD_WEIGHT: weight.T.contiguous().numpy(), p.HEAD_BIAS: bias.numpy()}
+
+
 def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
     """Run (or resume) the configured method until ``num-server-rounds`` rounds are complete."""
     checkpoint = _resume(cfg)  # fails before any training on a bad checkpoint
+    method = METHODS[cfg.strategy]
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    if method.keeps_posteriors:  # every posterior starts at the prior mean w^0
+        head = initial_prior_head(cfg)
     groups = len(dominant_class_groups(cfg.num_classes))
     directory = run_directory(cfg, run_id)
     report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg))
@@ -147,7 +161,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
 
     strategy = FedPAC(
         initial_head=head,
-        method=METHODS[cfg.strategy],
+        method=method,
         num_rounds=cfg.num_server_rounds,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
@@ -161,6 +175,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         max_samples_per_client=cfg.max_samples_per_client,
         max_weight_ratio=cfg.max_weight_ratio,
         clustering=Clustering(cfg.cluster_eps, cfg.cluster_weights, cfg.clustered_anchors),
+        vem=VEMProtocol(cfg.vem_protocol, cfg.vem_sampling_rate, cfg.vem_initial_sigma),
         seed=cfg.seed,
     )
     if checkpoint is not None:
@@ -180,10 +195,11 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             model_shape=model_shape(cfg),
             seed=cfg.seed,
             strategy=cfg.strategy,
-            global_head=strategy.global_head if strategy.method.head is Rule.AVERAGE else None,
+            global_head=strategy.global_head if strategy.method.keeps_global_head else None,
             client_extractors=strategy.local_extractors,
             anchors=strategy.anchors,
             config=asdict(cfg),
+            posterior_scales=strategy.posterior_scales,
         )
         write_round_outputs(report, record, checkpoint)
         report.write_status("running", record.round, resume_command(cfg, directory))

@@ -4,9 +4,10 @@ One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename)
 round: the global extractor, the global centroids and mask, every client's personalized head
 (by partition-id), the number of finished rounds, and the per-round records so far. Baselines
 add what their server keeps instead: FedAvg's global head, Local-only's per-client extractors,
-FedCCFA's per-client anchors;
+FedCCFA's per-client anchors, pFedVEM's prior mean (as the global head) and every client's
+posterior (its mean as the client's head, its scales by partition-id);
 the method's name is stored so that a run resumes only as the method it was. Node
-sampling and local shuffling are seeded by (seed, round, partition-id), so no random generator
+sampling, pFedVEM's sample S_t and local shuffling are seeded by (seed, round, partition-id), so no random generator
 state needs saving: a resumed run continues exactly where the stopped one would have.
 """
 
@@ -48,11 +49,13 @@ class Checkpoint:
     model_shape: tuple[int, int, int]  # (num_classes, image_size, image_channels)
     seed: int
     strategy: str = "fedpac"  # the method (run config `strategy`)
-    global_head: p.NDArrays | None = None  # methods that average heads (FedAvg)
+    global_head: p.NDArrays | None = None  # FedAvg's averaged head, pFedVEM's prior mean w
     client_extractors: dict[int, p.NDArrays] = field(default_factory=dict)  # Local-only
     # FedCCFA: each client's cluster anchors (K, d) and their mask (K,)
     anchors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the validated run config (empty: older checkpoints)
+    # pFedVEM: each client's posterior scales s (its mean is in ``heads``), under the head's keys
+    posterior_scales: dict[int, p.NDArrays] = field(default_factory=dict)
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
@@ -69,6 +72,8 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
     for pid, (values, mask) in checkpoint.anchors.items():
         arrays[f"anchors/{pid}/values"] = values
         arrays[f"anchors/{pid}/mask"] = mask
+    for pid, scale in checkpoint.posterior_scales.items():
+        arrays.update({f"posterior-scale/{pid}/{k}": v for k, v in scale.items()})
     meta = {
         "format": FORMAT_VERSION,
         "completed_rounds": checkpoint.completed_rounds,
@@ -108,6 +113,7 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
     heads: dict[int, p.NDArrays] = {}
     client_extractors: dict[int, p.NDArrays] = {}
     anchor_parts: dict[int, dict[str, np.ndarray]] = {}
+    posterior_scales: dict[int, p.NDArrays] = {}
     for name, value in arrays.items():
         if name.startswith("head/"):
             _, pid, key = name.split("/", 2)
@@ -118,6 +124,9 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         elif name.startswith("anchors/"):
             _, pid, key = name.split("/", 2)
             anchor_parts.setdefault(int(pid), {})[key] = value
+        elif name.startswith("posterior-scale/"):
+            _, pid, key = name.split("/", 2)
+            posterior_scales.setdefault(int(pid), {})[key] = value
     global_head = {k[len("global-head/"):]: v for k, v in arrays.items() if k.startswith("global-head/")}
     return Checkpoint(
         completed_rounds=int(meta["completed_rounds"]),
@@ -133,4 +142,5 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         client_extractors=client_extractors,
         anchors={pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in anchor_parts.items()},
         config=dict(meta.get("config", {})),
+        posterior_scales=posterior_scales,
     )

@@ -31,6 +31,10 @@ class ClientUpdate:  # pylint: disable=too-many-instance-attributes
     h: np.ndarray | None = None  # (K, d), with classifier collaboration
     v: float | None = None  # with classifier collaboration
     balanced_head: p.NDArrays | None = None  # with clustered heads: the clustering input
+    # With posteriors (pFedVEM): the scales s under the head's keys, and rho_j (eq. 7); the
+    # posterior mean is ``head``
+    scale: p.NDArrays | None = None
+    rho: float | None = None
     # Fused evaluation: the evaluation of the model this round's train message carried.
     evaluation: ClientEvaluation | None = None
 
@@ -64,6 +68,9 @@ def expected_statistics(method: Method, num_classes: int, dim: int) -> dict[str,
     if method.sends_balanced_head:
         expected[p.BALANCED_WEIGHT] = (num_classes, dim)
         expected[p.BALANCED_BIAS] = (num_classes,)
+    if method.keeps_posteriors:
+        expected[p.SCALE_WEIGHT] = (num_classes, dim)
+        expected[p.SCALE_BIAS] = (num_classes,)
     return expected
 
 
@@ -193,6 +200,19 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         if v < -V_ROUNDING * scale:
             raise InvalidReply(f"V = {v} is negative")
         v = max(v, 0.0)
+    rho = None
+    if method.keeps_posteriors:
+        rho = _metric(metrics, p.RHO)
+        # tau = 1 / rho^2 weighs the client in the prior mean: rho = 0 would be an infinite weight,
+        # a rho whose square overflows a zero one (and an all-zero sum of weights)
+        squared = rho * rho
+        if not (rho > 0 and squared > 0 and 0.0 < 1.0 / squared < float("inf")):
+            raise InvalidReply(f"rho = {rho} must be a positive number with a finite, positive confidence "
+                               "1/rho^2")
+    if method.evaluates_local_model:
+        local = _metric(metrics, p.LOCAL_ACCURACY)
+        if not 0.0 <= local <= 1.0:
+            raise InvalidReply(f"local accuracy {local} outside [0, 1]")
     evaluation = None
     if p.EVALUATION in msg.content:
         if p.EVALUATION not in msg.content.metric_records:
@@ -213,6 +233,8 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         h=stats[p.H].astype(np.float64) if p.H in stats else None,
         v=v,
         balanced_head=_balanced_head(stats, head_template) if method.sends_balanced_head else None,
+        scale=_scale(stats, head_template) if method.keeps_posteriors else None,
+        rho=rho,
         evaluation=evaluation,
     )
 
@@ -221,6 +243,12 @@ def _balanced_head(stats: p.NDArrays, head_template: p.NDArrays) -> p.NDArrays:
     """The balanced head under the model's own head keys (shapes were checked with the rest)."""
     return {p.HEAD_WEIGHT: stats[p.BALANCED_WEIGHT].astype(head_template[p.HEAD_WEIGHT].dtype),
             p.HEAD_BIAS: stats[p.BALANCED_BIAS].astype(head_template[p.HEAD_BIAS].dtype)}
+
+
+def _scale(stats: p.NDArrays, head_template: p.NDArrays) -> p.NDArrays:
+    """A posterior's scales under the model's own head keys (shapes were checked with the rest)."""
+    return {p.HEAD_WEIGHT: stats[p.SCALE_WEIGHT].astype(head_template[p.HEAD_WEIGHT].dtype),
+            p.HEAD_BIAS: stats[p.SCALE_BIAS].astype(head_template[p.HEAD_BIAS].dtype)}
 
 
 @dataclass(frozen=True)

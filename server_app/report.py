@@ -31,12 +31,12 @@ from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-impor
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
     "num_examples", "v", "head_loss", "train_loss", "align_loss", "align_weight", "train_seconds",
-    "eval_seconds", "bytes_sent", "bytes_received", "solver_status",
+    "eval_seconds", "bytes_sent", "bytes_received", "solver_status", "local_accuracy", "rho", "aggregated",
 )
 ROUND_COLUMNS = (
     "round", "mean_accuracy", "min_accuracy", "max_accuracy", "mean_generalized_accuracy", "num_evaluated",
     "num_trained", "mean_train_loss", "qp_fallbacks", "centroid_classes", "mean_clusters_per_class",
-    "bytes_sent", "bytes_received", "seconds",
+    "bytes_sent", "bytes_received", "seconds", "mean_local_accuracy", "num_aggregated",
 )
 CLUSTER_COLUMNS = ("round", "class", "partition_id", "cluster")
 
@@ -64,6 +64,10 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     # for class c (-1: the class is absent on that client).
     cluster_partitions: list[int] = field(default_factory=list)
     clusters: list[list[int]] = field(default_factory=list)
+    # Methods that aggregate a sample (pFedVEM): the round's S_t, and the partitions of S_t whose
+    # replies entered the base and the global head
+    sampled: list[int] = field(default_factory=list)
+    aggregated: list[int] = field(default_factory=list)
 
     @property
     def mean_accuracy(self) -> float:
@@ -74,6 +78,13 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     def mean_generalized_accuracy(self) -> float:
         """Unweighted mean of the clients' generalized accuracies (FedCCFA's metric)."""
         return float(np.mean(list(self.generalized.values()))) if self.generalized else float("nan")
+
+    @property
+    def mean_local_accuracy(self) -> float:
+        """Unweighted mean of the locally trained models' accuracies, measured in the train step
+        before aggregation (pFedVEM's own evaluation); NaN for methods that do not measure it."""
+        local = [m["local-accuracy"] for m in self.train.values() if "local-accuracy" in m]
+        return float(np.mean(local)) if local else float("nan")
 
     @property
     def clusters_per_class(self) -> list[int]:
@@ -127,13 +138,16 @@ class RunReport:
         acc = list(record.accuracy.values())
         generalized = (f" | generalized {100 * record.mean_generalized_accuracy:.2f}%"
                        if record.generalized else "")
+        local = (f" | local models before aggregation {100 * record.mean_local_accuracy:.2f}%"
+                 if np.isfinite(record.mean_local_accuracy) else "")
+        sample = f" | aggregated {record.aggregated} of S_t {record.sampled}" if record.sampled else ""
         clusters = (f" | clusters per class {record.clusters_per_class}" if record.clusters else "")
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
-            f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized} | "
+            f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized}{local} | "
             f"{len(record.train)} trained, loss {record.mean_train_loss:.4f} | "
-            f"QP fallbacks {record.qp_fallbacks}{clusters} | {record.seconds:.1f}s"
+            f"QP fallbacks {record.qp_fallbacks}{clusters}{sample} | {record.seconds:.1f}s"
         )
 
     # ------------------------------------------------------------------ tables
@@ -157,6 +171,8 @@ class RunReport:
                     "eval_seconds": r.eval_seconds.get(pid, ""),
                     "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
                     "solver_status": status.get(pid, ""),
+                    "local_accuracy": train.get("local-accuracy", ""), "rho": train.get("rho", ""),
+                    "aggregated": int(pid in r.aggregated) if r.sampled and train else "",
                 })
         return rows
 
@@ -175,6 +191,8 @@ class RunReport:
                 "mean_clusters_per_class": float(np.mean(r.clusters_per_class)) if r.clusters else "",
                 "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
                 "seconds": r.seconds,
+                "mean_local_accuracy": r.mean_local_accuracy if np.isfinite(r.mean_local_accuracy) else "",
+                "num_aggregated": len(r.aggregated) if r.sampled else "",
             })
         return rows
 
@@ -200,6 +218,7 @@ class RunReport:
         records = [
             {**asdict(r), "mean_accuracy": r.mean_accuracy,
              **({"mean_generalized_accuracy": r.mean_generalized_accuracy} if r.generalized else {}),
+             **({"mean_local_accuracy": r.mean_local_accuracy} if np.isfinite(r.mean_local_accuracy) else {}),
              "group": {pid: self.group_of(pid) for pid in sorted(set(r.accuracy) | set(r.train))}}
             for r in self.rounds
         ]

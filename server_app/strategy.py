@@ -8,8 +8,11 @@ the mixed heads by partition-id; ``configure_evaluate`` sends every node its new
 The baselines and ablations (``common.methods``) run through the same class: a method only
 says what happens to each model part (averaged, mixed, or kept per client by partition-id)
 and whether centroids travel, so sampling, discovery, reply validation, the partition-id
-bookkeeping and checkpoints are shared. The math lives in ``common.aggregation`` and
-``common.collaboration``; this file is the glue.
+bookkeeping and checkpoints are shared. A method that keeps posteriors (pFedVEM) has every
+client's posterior kept here by partition-id, sent down with the prior mean and returned
+trained; a method that aggregates a sample has the server draw the round's S_t itself. The math
+lives in ``common.aggregation``, ``common.collaboration`` and ``common.variational``; this file
+is the glue.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.aggregation import Clustering, RoundAggregate, aggregate_round, capped_sample_weights
 from common.methods import FEDPAC, Alignment, Method, Rule
+from common.variational import VEMProtocol, draw_sample, softplus_inverse
 from server_app.replies import (
     ClientEvaluation,
     ClientUpdate,
@@ -96,8 +100,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         A client's aggregation weight is at most this times the round's median (0: no cap).
     clustering : Clustering
         Clustered heads only (FedCCFA): the DBSCAN radius, member weights and anchor mode.
+    vem : VEMProtocol
+        Methods that aggregate a sample (pFedVEM) only: who trains (every client or S_t), the
+        sampling rate r of S_t, and the scale every client's posterior starts from.
     seed : int
-        Seeds node sampling.
+        Seeds node sampling and the sample S_t.
     on_round_end : callable, optional
         Called with each finished round's :class:`RoundRecord` (used to write outputs).
     """
@@ -120,6 +127,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         max_samples_per_client: int = 0,
         max_weight_ratio: float = 10.0,
         clustering: Clustering | None = None,
+        vem: VEMProtocol | None = None,
         seed: int = 0,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
@@ -128,7 +136,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.num_rounds = num_rounds
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
-        self.fused_evaluation = fused_evaluation and fraction_train >= 1.0 and fraction_evaluate >= 1.0
+        self.vem = vem or VEMProtocol()
+        # with a sample S_t that alone trains, fraction-train = 1 no longer means everyone trains
+        self.trains_every_client = fraction_train >= 1.0 and not (
+            method.aggregates_a_sample and not self.vem.all_train)
+        self.fused_evaluation = fused_evaluation and self.trains_every_client and fraction_evaluate >= 1.0
         self.fused_evaluation_requested = fused_evaluation
         self.full_last_round = full_last_round
         self.min_available_nodes = min_available_nodes
@@ -146,6 +158,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.heads: dict[int, p.NDArrays] = {}  # personal heads (mixed or local)
         self.global_head: p.NDArrays = dict(initial_head)  # the one head when heads are averaged
         self.local_extractors: dict[int, p.NDArrays] = {}  # when extractors are not shared
+        # Posteriors (pFedVEM): the mean is the client's entry in ``heads`` (its head in the
+        # model), the pre-softplus scales s are here under the head's keys; ``global_head`` is the
+        # prior mean w. A client that never trained has mu = w^0 (``initial_head``) and s = s^0.
+        self.posterior_scales: dict[int, p.NDArrays] = {}
+        initial_s = softplus_inverse(self.vem.initial_sigma)
+        self.initial_scale = {key: np.full_like(value, initial_s) for key, value in initial_head.items()}
+        self.aggregation_sample: list[int] | None = None  # S_t (partition-ids), drawn by configure_train
         num_classes, dim = initial_head[p.HEAD_WEIGHT].shape
         self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
@@ -184,17 +203,23 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         if method.head is Rule.MIX:
             log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
                 self.qp_solver, self.alpha_threshold)
+        if method.aggregates_a_sample:
+            log(INFO, "\t└──> Protocol %s: %s train every round; the sample S_t (each client with "
+                "probability %g, at least 2, seeded by (seed %d, round)) is aggregated", self.vem.protocol,
+                "all clients" if self.vem.all_train else "only the clients in S_t", self.vem.sampling_rate,
+                self.seed)
         if method.head is Rule.CLUSTER:
             log(INFO, "\t└──> Class-level clustering: MADD radius %g, %s member weights, %s anchors",
                 self.clustering.eps, self.clustering.weights,
                 "clustered" if self.clustering.clustered_anchors else "global")
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Continue from a checkpoint: its heads, extractors, centroids and round count."""
+        """Continue from a checkpoint: its heads, extractors, centroids, posteriors and round count."""
         self.heads = {pid: dict(head) for pid, head in checkpoint.heads.items()}
         if checkpoint.global_head is not None:
             self.global_head = dict(checkpoint.global_head)
         self.local_extractors = {pid: dict(ex) for pid, ex in checkpoint.client_extractors.items()}
+        self.posterior_scales = {pid: dict(scale) for pid, scale in checkpoint.posterior_scales.items()}
         self.centroids = checkpoint.centroids.astype(np.float32)
         self.centroid_mask = checkpoint.centroid_mask.astype(bool)
         self.anchors = {pid: (values.astype(np.float32), mask.astype(bool))
@@ -303,6 +328,26 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # Choose positions, not ids: node ids are uint64 and numpy would turn them into floats.
         return [nodes[i] for i in sorted(rng.choice(len(nodes), size=size, replace=False))]
 
+    def _sample_for_aggregation(self, grid: Grid, server_round: int, full: bool) -> list[int]:
+        """Draw S_t (partition-ids) for ``aggregate_train``; return the nodes that train: every
+        connected node (``all-train``, or the last round with ``full-last-round``) or S_t's.
+
+        S_t is drawn over the partitions 0..J-1 (J as the clients report it), so it depends on
+        (seed, round) alone, not on node ids or on who happens to be connected.
+        """
+        nodes = self._wait_for_nodes(grid)
+        population = self.num_partitions if self.num_partitions is not None else len(nodes)
+        self.aggregation_sample = draw_sample(population, self.vem.sampling_rate, self.seed, server_round)
+        log(INFO, "round %d: sample S_t = partitions %s", server_round, self.aggregation_sample)
+        if self.vem.all_train or full:
+            return nodes
+        sample = set(self.aggregation_sample)
+        chosen = [n for n in nodes if self.node_partition.get(n) in sample]
+        missing = sample - {self.node_partition[n] for n in chosen}
+        if missing:
+            log(WARNING, "round %d: partitions %s of S_t have no connected node", server_round, sorted(missing))
+        return chosen
+
     def _node_of(self, partition_id: int) -> int | None:
         """The node currently registered for ``partition_id``, if any."""
         return next((node for node, pid in self.node_partition.items() if pid == partition_id), None)
@@ -326,6 +371,14 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         else:
             values, mask = self.centroids, self.centroid_mask
         return {p.CENTROID_VALUES: values, p.CENTROID_MASK: mask.astype(np.uint8)}
+
+    def posterior_of(self, node_id: int) -> p.NDArrays:
+        """What a method that keeps posteriors sends beside the client's posterior mean (its
+        head): the prior mean w and the client's scales s (s^0 before its first reply)."""
+        pid = self.node_partition.get(node_id)
+        scale = self.initial_scale if pid is None else self.posterior_scales.get(pid, self.initial_scale)
+        return {p.PRIOR_WEIGHT: self.global_head[p.HEAD_WEIGHT], p.PRIOR_BIAS: self.global_head[p.HEAD_BIAS],
+                p.SCALE_WEIGHT: scale[p.HEAD_WEIGHT], p.SCALE_BIAS: scale[p.HEAD_BIAS]}
 
     def extractor_of(self, node_id: int, extractor: p.NDArrays) -> p.NDArrays:
         """The extractor for the client on ``node_id``: the global one, or, when extractors stay
@@ -356,6 +409,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             if message_type == MessageType.TRAIN and self.method.needs_initial_head:
                 content[p.INITIAL_HEAD] = p.to_record(self.initial_head)
                 config[p.HAS_PERSONAL_HEAD] = self.node_partition.get(node_id) in self.heads
+            if message_type == MessageType.TRAIN and self.method.keeps_posteriors:
+                content[p.POSTERIOR] = p.to_record(self.posterior_of(node_id))
             self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
             messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
         return messages
@@ -369,7 +424,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         full = self.full_last_round and server_round == self.num_rounds
         if self.discovery_timeout is not None:  # identify nodes that joined since
             self.discover(grid, self.discovery_timeout, strict=False)
-        node_ids = self._sample(grid, self.fraction_train, server_round, full)
+        if self.method.aggregates_a_sample:
+            node_ids = self._sample_for_aggregation(grid, server_round, full)
+        else:
+            node_ids = self._sample(grid, self.fraction_train, server_round, full)
         log(INFO, "configure_train: %d nodes%s", len(node_ids), " (all: last round)" if full else "")
         extractor = p.from_record(arrays)
         self.extractor_template = extractor
@@ -474,6 +532,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # Every input below is listed in the order of `updates` (sorted by partition-id), so
         # row i of alpha, h_i, V_i, n_i and head i all belong to the same client.
         weights = self._sample_weights(updates)
+        in_sample = None
+        if self.method.aggregates_a_sample:
+            sample = set(self.aggregation_sample or [])
+            in_sample = [u.partition_id in sample for u in updates]
+            record.sampled = sorted(sample)
         counts = _stacked([u.class_counts for u in updates])
         if counts is not None:  # a capped client's class counts shrink with its weight
             counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
@@ -492,8 +555,20 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             method=self.method,
             balanced_heads=[u.balanced_head for u in updates if u.balanced_head is not None] or None,
             clustering=self.clustering,
+            # reply validation guarantees a rho in every reply of a method that keeps posteriors
+            rhos=[u.rho for u in updates if u.rho is not None] if self.method.keeps_posteriors else None,
+            in_sample=in_sample,
+            previous_extractor=self.extractor,
+            previous_head=self.global_head,
         )
         self._store(updates, result)
+        if result.aggregated is not None:
+            record.aggregated = [updates[i].partition_id for i in result.aggregated]
+            log(INFO, "Round %d: base and global head aggregated over partitions %s of S_t %s",
+                server_round, record.aggregated, record.sampled)
+            if not record.aggregated:
+                log(WARNING, "Round %d: no valid reply from S_t; the base and the global head stay as they "
+                    "were, the replying clients' posteriors are kept", server_round)
         if result.collaboration is not None:
             record.alpha_partitions = [u.partition_id for u in updates]
             record.alpha = result.collaboration.alpha.tolist()
@@ -538,6 +613,11 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         else:
             for update, head in zip(updates, result.heads):
                 self.heads[update.partition_id] = head
+        if result.global_head is not None:
+            self.global_head = result.global_head
+        for update in updates:
+            if update.scale is not None:
+                self.posterior_scales[update.partition_id] = update.scale
         if result.clusters is not None:
             for i, update in enumerate(updates):
                 self.anchors[update.partition_id] = (result.clusters.anchors[i], result.clusters.anchor_mask[i])

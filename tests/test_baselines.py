@@ -86,15 +86,19 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
             np.testing.assert_allclose(np.sum(record.alpha, axis=1), 1.0)
     # clients send statistics only when the server step uses them, and only the ones it uses
     for content in recorder.train.values():
-        assert (p.STATISTICS in content) == method.sends_class_counts
-        if method.sends_class_counts:
+        assert (p.STATISTICS in content) == (method.sends_class_counts or method.keeps_posteriors)
+        if p.STATISTICS in content:
             sent = set(p.from_record(content[p.STATISTICS]))
             assert (p.CENTROID_VALUES in sent) == method.needs_centroids
             assert (p.H in sent) == method.needs_statistics
+            assert (p.SCALE_WEIGHT in sent) == method.keeps_posteriors
+        assert (p.RHO in content[p.METRICS]) == method.keeps_posteriors
+        assert (p.LOCAL_ACCURACY in content[p.METRICS]) == method.evaluates_local_model
         assert (p.V in content[p.METRICS]) == method.needs_statistics
     # the server sends centroids only to methods that align features
     train_messages = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     assert all((p.CENTROIDS in m.content) == method.needs_centroids for m in train_messages)
+    assert all((p.POSTERIOR in m.content) == method.keeps_posteriors for m in train_messages)
 
     (run_dir,) = tmp_path.iterdir()
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -116,7 +120,9 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
         assert not strategy.heads and checkpoint.global_head is not None
         assert not np.array_equal(strategy.global_head["head.weight"], initial_head["head.weight"])
     else:
-        assert sorted(strategy.heads) == [0, 1, 2] and checkpoint.global_head is None
+        assert sorted(strategy.heads) == [0, 1, 2]
+        assert (checkpoint.global_head is not None) == method.keeps_global_head
+    assert sorted(checkpoint.posterior_scales) == ([0, 1, 2] if method.keeps_posteriors else [])
 
 
 # ---------------------------------------------------------------------------- FedAvg
@@ -259,7 +265,9 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     head_before = [q.detach().clone() for q in model.head.parameters()]
     received = Received(server_round=cfg.align_from_round, targets=torch.randn(10, 128),
                         target_mask=torch.ones(10, dtype=torch.bool),
-                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()})
+                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()},
+                        posterior={p.PRIOR_WEIGHT: torch.randn(10, 128), p.PRIOR_BIAS: torch.randn(10),
+                                   p.SCALE_WEIGHT: torch.full((10, 128), 0.54), p.SCALE_BIAS: torch.full((10,), 0.54)})
     update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
     assert all(_changed(extractor_before, model.extractor)) and all(_changed(head_before, model.head))
     assert update.num_examples == len(x)
@@ -272,6 +280,7 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     if update.class_counts is not None:
         assert update.class_counts.tolist() == [8.0] * 5 + [0.0] * 5
     assert (update.balanced_head is not None) == method.sends_balanced_head
+    assert (update.posterior_scale is not None) == (update.rho is not None) == method.keeps_posteriors
 
 
 def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():

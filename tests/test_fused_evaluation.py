@@ -32,6 +32,8 @@ METHOD_CONFIGS = {
     "local": {"strategy": "local"},
     "fedccfa-drift": {"strategy": "fedccfa", "drift": "sudden", "drift-rounds": "1", "generalized-every": 1,
                       "partition": "dirichlet-min", "balanced-epochs": 1, "align-from-round": 2},
+    # every client trains (all-train), S_t alone is aggregated; each client's posterior mean is its head
+    "pfedvem": {"strategy": "pfedvem", "vem-sampling-rate": 0.5},
 }
 # Measured on the clients' clocks, so they differ between any two runs.
 TIMES = {"train-seconds", "eval_seconds"}
@@ -78,6 +80,9 @@ def test_fused_evaluation_gives_the_numbers_of_an_evaluate_message_per_round(nam
     for pid, extractor in separate.local_extractors.items():
         for key, value in extractor.items():
             np.testing.assert_array_equal(fused.local_extractors[pid][key], value)
+    for pid, scale in separate.posterior_scales.items():
+        for key, value in scale.items():
+            np.testing.assert_array_equal(fused.posterior_scales[pid][key], value)
 
 
 def test_with_sampling_every_round_keeps_its_evaluate_message(tmp_path, caplog):
