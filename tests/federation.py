@@ -13,7 +13,10 @@ from collections.abc import Callable, Iterable
 from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+import numpy as np
+
 from client_app.app import app as client_app
+from common import protocol as p
 
 SERVER_NODE_ID = 1
 
@@ -83,3 +86,28 @@ class InProcessGrid:
         if self.shuffle_replies:
             self.rng.shuffle(replies)
         return replies
+
+
+# Reply tampering for the bad-reply tests: each returns a function that changes a reply in place.
+
+
+def set_array(record_key: str, key: str, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[Message], None]:
+    """Replace array ``key`` of the packed record ``record_key`` by ``change`` of a copy of it."""
+    def tamper(reply: Message) -> None:
+        arrays = p.from_record(reply.content[record_key])
+        arrays[key] = change(arrays[key].copy())
+        reply.content[record_key] = p.to_record(arrays)
+    return tamper
+
+
+def set_metric(key: str, value: object) -> Callable[[Message], None]:
+    """Set metric ``key`` of the reply's ``metrics`` record to ``value``."""
+    def tamper(reply: Message) -> None:
+        reply.content[p.METRICS][key] = value
+    return tamper
+
+
+def nan(a: np.ndarray) -> np.ndarray:
+    """``a`` with its first element NaN."""
+    a.flat[0] = np.nan
+    return a

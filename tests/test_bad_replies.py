@@ -10,32 +10,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from common import protocol as p
 from common.config import parse_run_config
-from federation import InProcessGrid
+from federation import InProcessGrid, nan, set_array, set_metric
 from server_app.app import initial_model
 from server_app.strategy import FedPAC
 from common.model import split_state
 
 RUN_CONFIG = {"samples-per-client": 60, "test-samples-per-client": 30, "local-epochs": 1, "batch-size": 20}
 BAD = 1  # the partition whose reply is tampered with
-
-
-def _set_array(record_key, key, change):
-    def tamper(reply):
-        arrays = p.from_record(reply.content[record_key])
-        arrays[key] = change(arrays[key].copy())
-        reply.content[record_key] = p.to_record(arrays)
-    return tamper
-
-
-def _set_metric(key, value):
-    def tamper(reply):
-        reply.content[p.METRICS][key] = value
-    return tamper
-
-
-def _nan(a):
-    a.flat[0] = np.nan
-    return a
 
 
 def _inf(a):
@@ -64,26 +45,26 @@ def _compressed(arrays):
 
 
 CASES = {
-    "nan in extractor weights": (_set_array(p.ARRAYS, "extractor.0.weight", _nan), "NaN or Inf"),
-    "inf in head bias": (_set_array(p.ARRAYS, "head.bias", _inf), "NaN or Inf"),
-    "nan in h": (_set_array(p.STATISTICS, p.H, _nan), "NaN or Inf"),
-    "inf in centroids": (_set_array(p.STATISTICS, p.CENTROID_VALUES, _inf), "NaN or Inf"),
-    "nan V": (_set_metric(p.V, float("nan")), "not a finite number"),
-    "wrong extractor shape": (_set_array(p.ARRAYS, "extractor.0.weight", lambda a: a[:8]), "shape"),
-    "wrong number of classes in the head": (_set_array(p.ARRAYS, "head.weight", lambda a: a[:7]), "shape"),
-    "wrong number of classes in h": (_set_array(p.STATISTICS, p.H, lambda a: a[:7]), "shape"),
-    "wrong number of classes in the counts": (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a[:7]), "shape"),
-    "negative counts": (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a - a.max()), "non-negative"),
-    "counts inconsistent with n": (_set_metric(p.NUM_EXAMPLES, 7), "equal the class counts"),
-    "n = 0": (lambda r: (_set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a * 0)(r),
-                         _set_metric(p.NUM_EXAMPLES, 0)(r)), "must be positive"),
-    "negative V": (_set_metric(p.V, -1.0), "negative"),
-    "partition-id out of range": (_set_metric(p.PARTITION_ID, 7), "not a valid partition"),
-    "partition-id of another client": (_set_metric(p.PARTITION_ID, 0), "it claims partition 0"),
+    "nan in extractor weights": (set_array(p.ARRAYS, "extractor.0.weight", nan), "NaN or Inf"),
+    "inf in head bias": (set_array(p.ARRAYS, "head.bias", _inf), "NaN or Inf"),
+    "nan in h": (set_array(p.STATISTICS, p.H, nan), "NaN or Inf"),
+    "inf in centroids": (set_array(p.STATISTICS, p.CENTROID_VALUES, _inf), "NaN or Inf"),
+    "nan V": (set_metric(p.V, float("nan")), "not a finite number"),
+    "wrong extractor shape": (set_array(p.ARRAYS, "extractor.0.weight", lambda a: a[:8]), "shape"),
+    "wrong number of classes in the head": (set_array(p.ARRAYS, "head.weight", lambda a: a[:7]), "shape"),
+    "wrong number of classes in h": (set_array(p.STATISTICS, p.H, lambda a: a[:7]), "shape"),
+    "wrong number of classes in the counts": (set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a[:7]), "shape"),
+    "negative counts": (set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a - a.max()), "non-negative"),
+    "counts inconsistent with n": (set_metric(p.NUM_EXAMPLES, 7), "equal the class counts"),
+    "n = 0": (lambda r: (set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a * 0)(r),
+                         set_metric(p.NUM_EXAMPLES, 0)(r)), "must be positive"),
+    "negative V": (set_metric(p.V, -1.0), "negative"),
+    "partition-id out of range": (set_metric(p.PARTITION_ID, 7), "not a valid partition"),
+    "partition-id of another client": (set_metric(p.PARTITION_ID, 0), "it claims partition 0"),
     "oversized: an extra record": (_add_record, "a reply of this model can need"),
-    "oversized: a huge metric list": (_set_metric("padding", [0.0] * 100_000), "a reply of this model can need"),
+    "oversized: a huge metric list": (set_metric("padding", [0.0] * 100_000), "a reply of this model can need"),
     "an extra record": (_add_small_record, "unexpected record"),
-    "a metric list": (_set_metric("padding", [0.0] * 10), "lists"),
+    "a metric list": (set_metric("padding", [0.0] * 10), "lists"),
     "missing statistics": (lambda r: r.content.pop(p.STATISTICS), "missing record"),
     "packed arrays not an archive": (_replace_packed(p.ARRAYS, np.arange(100, dtype=np.uint8)), "not a packed"),
     "packed statistics as floats": (_replace_packed(p.STATISTICS, np.zeros(10)), "holds bytes"),
@@ -186,6 +167,6 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
 
 def test_a_v_below_zero_by_rounding_only_is_accepted_as_zero(caplog):
     # a sum of squares minus its mean's, rounded
-    strategy, _, _, metrics = _round_with_bad_training_reply(_set_metric(p.V, -1e-12), caplog)
+    strategy, _, _, metrics = _round_with_bad_training_reply(set_metric(p.V, -1e-12), caplog)
     assert "Rejected" not in caplog.text and metrics["num-replies"] == 4
     assert set(strategy.heads) == {0, 1, 2, 3}

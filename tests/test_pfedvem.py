@@ -34,7 +34,7 @@ from common.variational import (
     posterior_mean_logits,
     softplus_inverse,
 )
-from federation import InProcessGrid
+from federation import InProcessGrid, nan, set_array, set_metric
 from server_app.app import initial_model, initial_prior_head, run_fedpac
 from server_app.checkpoint import load_checkpoint
 from server_app.strategy import FedPAC
@@ -400,29 +400,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one(protocol, tmp_path):
 # ---------------------------------------------------------------------------- bad replies
 
 
-def _set_array(record_key, key, change):
-    def tamper(reply):
-        arrays = p.from_record(reply.content[record_key])
-        arrays[key] = change(arrays[key].copy())
-        reply.content[record_key] = p.to_record(arrays)
-    return tamper
-
-
-def _set_metric(key, value):
-    def tamper(reply):
-        reply.content[p.METRICS][key] = value
-    return tamper
-
-
 def _drop_metric(key):
     def tamper(reply):
         del reply.content[p.METRICS][key]
     return tamper
-
-
-def _nan(a):
-    a.flat[0] = np.nan
-    return a
 
 
 def _add_statistic(reply):
@@ -432,19 +413,19 @@ def _add_statistic(reply):
 
 
 BAD_REPLIES = {
-    "nan in the posterior mean": (_set_array(p.ARRAYS, p.HEAD_WEIGHT, _nan), "NaN or Inf"),
-    "inf in the scales": (_set_array(p.STATISTICS, p.SCALE_BIAS, lambda a: a + np.inf), "NaN or Inf"),
-    "negative rho": (_set_metric(p.RHO, -0.5), "rho = -0.5 must be a positive number"),
-    "zero rho": (_set_metric(p.RHO, 0.0), "rho = 0.0 must be a positive number"),
-    "rho whose confidence is zero": (_set_metric(p.RHO, 1e200), "finite, positive confidence"),
-    "nan rho": (_set_metric(p.RHO, float("nan")), "'rho' = nan is not a finite number"),
+    "nan in the posterior mean": (set_array(p.ARRAYS, p.HEAD_WEIGHT, nan), "NaN or Inf"),
+    "inf in the scales": (set_array(p.STATISTICS, p.SCALE_BIAS, lambda a: a + np.inf), "NaN or Inf"),
+    "negative rho": (set_metric(p.RHO, -0.5), "rho = -0.5 must be a positive number"),
+    "zero rho": (set_metric(p.RHO, 0.0), "rho = 0.0 must be a positive number"),
+    "rho whose confidence is zero": (set_metric(p.RHO, 1e200), "finite, positive confidence"),
+    "nan rho": (set_metric(p.RHO, float("nan")), "'rho' = nan is not a finite number"),
     "missing rho": (_drop_metric(p.RHO), "missing metric 'rho'"),
-    "posterior mean of the wrong shape": (_set_array(p.ARRAYS, p.HEAD_WEIGHT, lambda a: a[:7]), "shape"),
-    "scales of the wrong shape": (_set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a[:, :64]), "shape"),
-    "scales in the paper's (d, K) layout": (_set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a.T.copy()), "shape"),
+    "posterior mean of the wrong shape": (set_array(p.ARRAYS, p.HEAD_WEIGHT, lambda a: a[:7]), "shape"),
+    "scales of the wrong shape": (set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a[:, :64]), "shape"),
+    "scales in the paper's (d, K) layout": (set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a.T.copy()), "shape"),
     "missing scales": (lambda r: r.content.pop(p.STATISTICS), "missing record 'statistics'"),
     "an extra statistic": (_add_statistic, "unexpected arrays"),
-    "local accuracy above 1": (_set_metric(p.LOCAL_ACCURACY, 1.5), "local accuracy 1.5 outside [0, 1]"),
+    "local accuracy above 1": (set_metric(p.LOCAL_ACCURACY, 1.5), "local accuracy 1.5 outside [0, 1]"),
 }
 BAD = 1
 
