@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.train import LocalUpdate, Received, finetune_head, local_update
@@ -97,10 +97,9 @@ def generalized_due(cfg: FedPACConfig, server_round: int) -> bool:
     return server_round == cfg.num_server_rounds or bool(every and server_round % every == 0)
 
 
-def _model_from(record: ArrayRecord, cfg: FedPACConfig, device: torch.device) -> FedPACNet:
+def _model_from(state: p.NDArrays, cfg: FedPACConfig, device: torch.device) -> FedPACNet:
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in p.from_record(record).items()},
-                          strict=True)
+    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True)
     return model.to(device)
 
 
@@ -128,8 +127,11 @@ def _setup(msg: Message, context: Context):
     cfg = parse_run_config(context.run_config)
     partition_id, num_partitions = partition_of(context)
     device = select_device(cfg.device)
-    model = _model_from(msg.content.array_records[p.ARRAYS], cfg, device)
-    return cfg, partition_id, num_partitions, device, model
+    sections = p.sections_of(msg.content)
+    if p.MODEL not in sections:
+        raise ValueError(f"the server's message has no '{p.MODEL}' arrays")
+    model = _model_from(sections[p.MODEL], cfg, device)
+    return cfg, partition_id, num_partitions, device, model, sections
 
 
 def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> torch.Generator:
@@ -140,29 +142,26 @@ def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose:
     )
 
 
-def _received(msg: Message, server_round: int, device: torch.device) -> Received:
+def _received(msg: Message, sections: p.Sections, server_round: int, device: torch.device) -> Received:
     """The rest of the server's message: alignment targets (methods with feature alignment),
-    the fixed initial head and whether the sent head is the client's own (FedCCFA)."""
+    the fixed initial head and whether the sent head is the client's own (FedCCFA), the
+    posterior (pFedVEM)."""
     targets = mask = None
-    if p.CENTROIDS in msg.content:
-        arrays = p.from_record(msg.content.array_records[p.CENTROIDS])
+    if p.CENTROIDS in sections:
+        arrays = sections[p.CENTROIDS]
         targets = torch.as_tensor(arrays[p.CENTROID_VALUES], dtype=torch.float32, device=device)
         mask = torch.as_tensor(arrays[p.CENTROID_MASK], dtype=torch.bool, device=device)
-    initial_head = {}
-    if p.INITIAL_HEAD in msg.content:
-        # the head module's own keys (weight, bias), as the routine loads it into model.head
-        initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
-                        for key, value in p.from_record(msg.content.array_records[p.INITIAL_HEAD]).items()}
-    posterior = {}
-    if p.POSTERIOR in msg.content:
-        posterior = {key: torch.as_tensor(np.array(value), device=device)
-                     for key, value in p.from_record(msg.content.array_records[p.POSTERIOR]).items()}
+    # the head module's own keys (weight, bias), as the routine loads it into model.head
+    initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
+                    for key, value in sections.get(p.INITIAL_HEAD, {}).items()}
+    posterior = {key: torch.as_tensor(np.array(value), device=device)
+                 for key, value in sections.get(p.POSTERIOR, {}).items()}
     config = msg.content.config_records[p.CONFIG]
     return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
                     has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)), posterior=posterior)
 
 
-def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
+def _statistics(update: LocalUpdate) -> p.NDArrays:
     """Centroids, class counts and h, FedCCFA's balanced head, pFedVEM's posterior scales: only
     those the method computed (none for FedAvg & co.)."""
     arrays = {}
@@ -178,7 +177,7 @@ def _statistics_record(update: LocalUpdate) -> ArrayRecord | None:
     if update.posterior_scale is not None:
         arrays[p.SCALE_WEIGHT] = update.posterior_scale["weight"].cpu().numpy()
         arrays[p.SCALE_BIAS] = update.posterior_scale["bias"].cpu().numpy()
-    return p.to_record(arrays) if arrays else None
+    return arrays
 
 
 @app.train()
@@ -190,7 +189,7 @@ def train(msg: Message, context: Context) -> Message:
     in the reply's ``evaluation`` record.
     """
     started = time.perf_counter()
-    cfg, partition_id, num_partitions, device, model = _setup(msg, context)
+    cfg, partition_id, num_partitions, device, model, sections = _setup(msg, context)
     server_round = server_round_of(msg)
     evaluate_round = evaluate_round_of(msg, server_round)
     evaluation = None
@@ -199,7 +198,7 @@ def train(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     y = current_concept(y, cfg, partition_id, server_round)
-    received = _received(msg, server_round, device)
+    received = _received(msg, sections, server_round, device)
 
     update = local_update(model, x, y, received, cfg, _generator(cfg, server_round, partition_id))
     train_seconds = time.perf_counter() - started
@@ -227,10 +226,8 @@ def train(msg: Message, context: Context) -> Message:
         metrics[p.LOCAL_LOSS], metrics[p.LOCAL_ACCURACY] = local
     metrics["train-seconds"] = train_seconds
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
-    content = RecordDict({p.ARRAYS: p.to_record(state), p.METRICS: metrics})
-    statistics = _statistics_record(update)
-    if statistics is not None:
-        content[p.STATISTICS] = statistics
+    content = RecordDict({p.ARRAYS: p.pack({p.MODEL: state, p.STATISTICS: _statistics(update)}),
+                          p.METRICS: metrics})
     if evaluation is not None:
         content[p.EVALUATION] = evaluation
     return Message(content=content, reply_to=msg)
@@ -255,7 +252,7 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalized accuracy of the model the server sent for this client (:func:`_evaluation`)."""
-    cfg, _, _, _, model = _setup(msg, context)
+    cfg, _, _, _, model, _ = _setup(msg, context)
     metrics = _evaluation(model, cfg, context, server_round_of(msg))
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
 

@@ -181,9 +181,11 @@ def qp_objective(p: np.ndarray, alpha: np.ndarray) -> float:
 def mix_heads(heads: list[dict[str, np.ndarray]], alpha: np.ndarray) -> list[dict[str, np.ndarray]]:
     """phi^_i = sum_j alpha_ij phi_j for every row i (weight and bias alike), as one product."""
     mixed = {}
-    for key in heads[0]:
-        stacked = np.stack([head[key] for head in heads])
-        mixed[key] = (alpha @ stacked.reshape(len(heads), -1).astype(np.float64)).reshape(
-            (len(alpha),) + stacked.shape[1:]
-        ).astype(stacked.dtype)
+    # on the QPs' BLAS threads, for the same reason (collaboration_weights)
+    with threadpool_limits(limits=solver_blas_threads(len(heads)), user_api="blas"):
+        for key in heads[0]:
+            stacked = np.stack([head[key] for head in heads])
+            mixed[key] = (alpha @ stacked.reshape(len(heads), -1).astype(np.float64)).reshape(
+                (len(alpha),) + stacked.shape[1:]
+            ).astype(stacked.dtype)
     return [{key: values[i] for key, values in mixed.items()} for i in range(len(alpha))]

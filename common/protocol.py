@@ -1,54 +1,64 @@
 """What crosses the network each round: record keys and (de)serialization, shared by both sides.
 
-Server -> client (train and evaluate): ``arrays`` (global extractor + the client's personalized
-head), ``centroids`` (train only: the alignment targets and their mask: global class centroids,
-or FedCCFA's anchors of this client), ``initial-head`` (train only, FedCCFA: the fixed phi^0 its
-balanced head starts from), ``posterior`` (train only, pFedVEM: the prior mean w and this
-client's posterior scales s; its posterior mean is the head in ``arrays``), ``config`` (the
-server round; FedCCFA: whether the server holds a
-personal head for this client; with fused evaluation, the earlier round whose model this is
-and that the client evaluates before training).
-Client -> server (train): ``arrays`` (trained extractor + head), ``statistics`` (local centroids,
-class counts, h; FedCCFA's balanced head; pFedVEM's posterior scales), ``metrics``
-(partition-id, num-examples, v, losses; pFedVEM's rho and the local model's accuracy)
-and, when the server asked for it, ``evaluation`` (the evaluate reply's metrics for that round).
+A message carries at most one ArrayRecord, ``arrays``, and beside it a ``config`` (server ->
+client) or ``metrics`` record (client -> server). All of a message's arrays travel in ``arrays``,
+grouped in *sections*:
+
+Server -> client (train and evaluate): section ``model`` (global extractor + the client's
+personalized head); in train messages also ``centroids`` (the alignment targets and their mask:
+global class centroids, or FedCCFA's anchors of this client), ``initial-head`` (FedCCFA: the
+fixed phi^0 its balanced head starts from) and ``posterior`` (pFedVEM: the prior mean w and this
+client's posterior scales s; its posterior mean is the head in ``model``). The ``config`` record
+holds the server round; FedCCFA: whether the server holds a personal head for this client; with
+fused evaluation, the earlier round whose model this is and that the client evaluates before
+training.
+Client -> server (train): sections ``model`` (trained extractor + head) and ``statistics`` (local
+centroids, class counts, h; FedCCFA's balanced head; pFedVEM's posterior scales); ``metrics``
+(partition-id, num-examples, v, losses; pFedVEM's rho and the local model's accuracy) and, when
+the server asked for it, ``evaluation`` (the evaluate reply's metrics for that round).
 Client -> server (evaluate): ``metrics`` (partition-id, num-examples, accuracy, loss, and the
 generalized accuracy in the rounds it is measured).
 
 Baselines (``common.methods``) send only what their server step uses: ``centroids`` down and
 local centroids up only with feature alignment, h and v only with classifier collaboration,
-no ``statistics`` record at all for FedAvg, FedAvg-FT, FedPer, FedRep and Local-only.
+no ``statistics`` section at all for FedAvg, FedAvg-FT, FedPer, FedRep and Local-only.
 
 Every head on the wire is in ``nn.Linear``'s layout, weight (K, d): pFedVEM's posterior mean
 and scales and its prior mean too (its paper and code write W as (d, K); the client transposes,
 in ``common.variational.GaussianHead.from_linear`` and back).
 
-Every ArrayRecord is packed: its named arrays travel as one uncompressed .npz buffer, one Array.
-Flower moves each Array (and each chunk of it) of a message as a request of its own on every
-hop (ServerApp -> SuperLink -> SuperNode -> ClientApp, and back): unpacked, a FedPAC round made
-75 such requests per client and hop, and on a 20-node localhost federation those requests took
-more CPU than the training. Packed, it makes 27.
+Why one packed record: Flower moves every record, Array and Array chunk of a message as an
+object of its own, one authenticated request per object on every hop (ServerApp -> SuperLink ->
+SuperNode -> ClientApp, and back). ``arrays`` is one uncompressed .npz buffer, one Array, whose
+members are named ``<section>/<array>``. Unpacked, a FedPAC round moved 75 objects per client and
+hop; one packed record per section, 27 (19 with fused evaluation); one record per message, 13.
 """
 
 from __future__ import annotations
 
 import io
 import zipfile
+from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from common.files import npz_bytes
 
-ARRAYS = "arrays"
-CENTROIDS = "centroids"
-STATISTICS = "statistics"
+# Records of a message.
+ARRAYS = "arrays"  # all of its arrays, by section (pack / unpack)
 METRICS = "metrics"
 CONFIG = "config"
-INITIAL_HEAD = "initial-head"
 EVALUATION = "evaluation"
-POSTERIOR = "posterior"
 PACKED = "npz"  # the one Array of a packed record
+
+# Sections of the ``arrays`` record.
+MODEL = "model"
+CENTROIDS = "centroids"
+STATISTICS = "statistics"
+INITIAL_HEAD = "initial-head"
+POSTERIOR = "posterior"
+SECTION_SEPARATOR = "/"
 
 # Keys inside the records.
 CENTROID_VALUES = "centroids"
@@ -77,6 +87,7 @@ LOCAL_ACCURACY = "local-accuracy"  # the locally trained model before aggregatio
 LOCAL_LOSS = "local-loss"
 
 NDArrays = dict[str, np.ndarray]
+Sections = dict[str, NDArrays]
 
 
 def to_record(arrays: NDArrays) -> ArrayRecord:
@@ -108,6 +119,38 @@ def from_record(record: ArrayRecord) -> NDArrays:
             return {key: archive[key] for key in archive.files}
     except (zipfile.BadZipFile, OSError, EOFError, KeyError) as err:
         raise ValueError(f"not a packed array record: {err}") from err
+
+
+def pack(sections: Mapping[str, NDArrays]) -> ArrayRecord:
+    """A message's ``arrays`` record: every section's arrays, as ``<section>/<array>``, in one
+    packed Array (:func:`to_record`). An empty section is left out."""
+    for name in sections:
+        if not name or SECTION_SEPARATOR in name:
+            raise ValueError(f"section name {name!r} must be non-empty and free of '{SECTION_SEPARATOR}'")
+    return to_record({f"{name}{SECTION_SEPARATOR}{key}": value
+                      for name, arrays in sections.items() for key, value in arrays.items()})
+
+
+def unpack(record: ArrayRecord) -> Sections:
+    """The sections of a :func:`pack`-ed record, each its arrays by name.
+
+    Raises ``ValueError`` when the record is not packed as :func:`from_record` reads it, or an
+    array belongs to no section.
+    """
+    sections: Sections = {}
+    for name, value in from_record(record).items():
+        section, separator, key = name.partition(SECTION_SEPARATOR)
+        if not (section and separator and key):
+            raise ValueError(f"array '{name}' is not named <section>{SECTION_SEPARATOR}<array>")
+        sections.setdefault(section, {})[key] = value
+    return sections
+
+
+def sections_of(content: RecordDict) -> Sections:
+    """The sections of a message's ``arrays`` record (none when it has no such record)."""
+    if ARRAYS not in content.array_records:
+        return {}
+    return unpack(content.array_records[ARRAYS])
 
 
 def payload_bytes(content: RecordDict) -> int:

@@ -18,6 +18,15 @@ it is stored.
 
     python deploy/fast_supernode.py --superlink HOST:9092 ...   # flower-supernode's arguments
 
+While its ClientApp works, the loop looks for the reply in the node's state every 0.5 s
+(0.1 s here); that look is a long poll too (``FEDPAC_NODE_REPLY_WAIT``, default 2 s), woken when
+the Runtime API stores the reply, so a node costs nothing while it waits and sends the reply on
+at once. Two more periodic wake-ups, which made most of an idle node's CPU (7 ms/s per node,
+20 nodes on one host: 0.14 cores), are removed: the gRPC channel's connectivity subscription
+(grpcio polls the channel every 0.2 s in a thread of its own for it, and Flower only logs the
+state at DEBUG level) and the Runtime API's uvicorn tick (every 0.1 s; here every second, so the
+API stops up to a second later).
+
 ``deploy/supernode.sh`` and the compose cluster start SuperNodes this way; ``supernode.sh
 --executor cold`` runs Flower's own ``flower-supernode`` unchanged. The waits are found by
 value in the loop's source (a test checks they are still there), so a Flower version whose loop
@@ -26,12 +35,19 @@ differs fails that test instead of silently running at its own pace.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import sys
 import time
 import types
+from collections.abc import Sequence
+from typing import Any
 
+import flwr.client.grpc_rere_client.connection as fleet_connection
 import flwr.supernode.start_client_internal as supernode_loop
+import uvicorn
+from flwr.app import Message
 from flwr.supernode.cli.flower_supernode import flower_supernode
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 from flwr.supernode.servicer.runtime import runtime_handlers
@@ -68,8 +84,67 @@ def long_poll_tasks(wait: float) -> LongPoll:
     return poll
 
 
+def long_poll_replies(wait: float) -> LongPoll:
+    """Make the node loop's look for its ClientApp's reply (``get_messages(is_reply=True)``) a
+    long poll, woken when the node stores a message; every other look is unchanged."""
+    poll = LongPoll(wait)
+    InMemoryNodeState.store_message = poll.producer(InMemoryNodeState.store_message)  # type: ignore[method-assign]
+    look = InMemoryNodeState.get_messages
+    wait_for_reply = poll.handler(look, answered=bool)
+
+    @functools.wraps(look)
+    def get_messages(self: InMemoryNodeState, *, run_ids: Sequence[int] | None = None,
+                     is_reply: bool | None = None, limit: int | None = None) -> Sequence[Message]:
+        return (wait_for_reply if is_reply else look)(self, run_ids=run_ids, is_reply=is_reply, limit=limit)
+
+    InMemoryNodeState.get_messages = get_messages  # type: ignore[method-assign]
+    return poll
+
+
+def without_connectivity_polling() -> None:
+    """The node's channel to the SuperLink without Flower's connectivity subscription: grpcio
+    serves a subscription from a thread that polls the channel every 0.2 s for as long as the
+    channel lives, and Flower's callback only logs the state at DEBUG level."""
+    create = fleet_connection.create_channel
+
+    @functools.wraps(create)
+    def create_channel(*args: Any, **kwargs: Any) -> Any:
+        channel = create(*args, **kwargs)
+        channel.subscribe = _no_subscription
+        return channel
+
+    fleet_connection.create_channel = create_channel  # type: ignore[assignment]
+
+
+def _no_subscription(callback: Any, try_to_connect: bool = False) -> None:  # noqa: ARG001
+    """``grpc.Channel.subscribe`` that subscribes nothing."""
+
+
+UVICORN_TICK = 0.1  # uvicorn's main loop: a tick every 0.1 s, the date header every 10th
+
+
+async def _main_loop_every_second(self: uvicorn.Server) -> None:
+    """uvicorn's ``Server.main_loop`` ticking once a second instead of ten times: each tick
+    counts as ten of uvicorn's, so the date header and its other per-second work keep their pace."""
+    ticks_per_second = round(1 / UVICORN_TICK)
+    counter = 0
+    should_exit = await self.on_tick(counter)
+    while not should_exit:
+        counter = (counter + ticks_per_second) % 864000
+        await asyncio.sleep(1.0)
+        should_exit = await self.on_tick(counter)
+
+
+def slower_uvicorn_tick() -> None:
+    """The Runtime API's uvicorn server ticks once a second (it stops up to a second later)."""
+    uvicorn.Server.main_loop = _main_loop_every_second  # type: ignore[method-assign]
+
+
 def main() -> None:
     long_poll_tasks(wait_from_environment("FEDPAC_NODE_TASK_WAIT", 2.0))
+    long_poll_replies(wait_from_environment("FEDPAC_NODE_REPLY_WAIT", 2.0))
+    without_connectivity_polling()
+    slower_uvicorn_tick()
     try:
         interval = float(os.environ.get("FEDPAC_NODE_PULL_INTERVAL", "0.5"))
     except ValueError:

@@ -52,7 +52,7 @@ class ClientEvaluation:
 
 MAX_METRICS = 32
 V_ROUNDING = 1e-6  # relative: a V this far below 0 is rounding, not a malformed reply
-TRAIN_RECORDS = frozenset({p.ARRAYS, p.STATISTICS, p.METRICS, p.EVALUATION})
+TRAIN_RECORDS = frozenset({p.ARRAYS, p.METRICS, p.EVALUATION})
 EVALUATE_RECORDS = frozenset({p.METRICS})
 
 
@@ -75,8 +75,8 @@ def expected_statistics(method: Method, num_classes: int, dim: int) -> dict[str,
 
 
 def _check_shape_of_reply(msg: Message, allowed: frozenset[str]) -> None:
-    """Only the records FedPAC defines, and scalar metrics: this bounds a reply's size, since
-    every array is also checked against its expected shape."""
+    """Only the records the protocol defines, and scalar metrics: this bounds a reply's size,
+    since every array is also checked against its expected shape."""
     unexpected = sorted(set(msg.content) - allowed)
     if unexpected:
         raise InvalidReply(f"unexpected record(s) {unexpected}")
@@ -97,11 +97,25 @@ def _get(msg: Message, key: str):
     return msg.content[key]
 
 
-def _arrays(msg: Message, key: str) -> p.NDArrays:
+def _sections(msg: Message, allowed: frozenset[str]) -> p.Sections:
+    """The sections of the reply's ``arrays`` record: only those in ``allowed``."""
+    if p.ARRAYS not in msg.content.array_records:
+        raise InvalidReply(f"missing record '{p.ARRAYS}'" if p.ARRAYS not in msg.content
+                           else f"record '{p.ARRAYS}' is not an ArrayRecord")
     try:
-        return p.from_record(_get(msg, key))
+        sections = p.unpack(msg.content.array_records[p.ARRAYS])
     except ValueError as err:
-        raise InvalidReply(f"record '{key}': {err}") from err
+        raise InvalidReply(f"record '{p.ARRAYS}': {err}") from err
+    unexpected = sorted(set(sections) - allowed)
+    if unexpected:
+        raise InvalidReply(f"unexpected section(s) {unexpected} in record '{p.ARRAYS}'")
+    return sections
+
+
+def _section(sections: p.Sections, name: str) -> p.NDArrays:
+    if name not in sections:
+        raise InvalidReply(f"missing section '{name}' in record '{p.ARRAYS}'")
+    return sections[name]
 
 
 def _metric(metrics, key: str) -> float:
@@ -131,11 +145,11 @@ def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDAr
     return {key: arrays[key].astype(template[key].dtype) for key in template}
 
 
-def _parse_statistics(msg: Message, expected: dict[str, tuple[int, ...]]) -> p.NDArrays:
-    """The statistics record: exactly the expected arrays, with their shapes, all finite."""
+def _parse_statistics(sections: p.Sections, expected: dict[str, tuple[int, ...]]) -> p.NDArrays:
+    """The statistics section: exactly the expected arrays, with their shapes, all finite."""
     if not expected:
-        return {}  # the record itself is refused by _check_shape_of_reply
-    stats = _arrays(msg, p.STATISTICS)
+        return {}  # the section itself is refused by _sections
+    stats = _section(sections, p.STATISTICS)
     extra = sorted(set(stats) - set(expected))
     if extra:
         raise InvalidReply(f"statistics hold unexpected arrays {extra}")
@@ -170,15 +184,16 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         raise InvalidReply(f"client error: {msg.error.reason}")
     num_classes, dim = head_template["head.weight"].shape
     expected = expected_statistics(method, num_classes, dim)
-    _check_shape_of_reply(msg, TRAIN_RECORDS if expected else TRAIN_RECORDS - {p.STATISTICS})
+    _check_shape_of_reply(msg, TRAIN_RECORDS)
     metrics = _get(msg, p.METRICS)
     partition_id = _partition_id(metrics, num_partitions)
-    arrays = _arrays(msg, p.ARRAYS)
+    sections = _sections(msg, frozenset({p.MODEL, p.STATISTICS}) if expected else frozenset({p.MODEL}))
+    arrays = _section(sections, p.MODEL)
     extractor = _check_arrays(
         {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
     )
     head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
-    stats = _parse_statistics(msg, expected)
+    stats = _parse_statistics(sections, expected)
     num_examples = _metric(metrics, p.NUM_EXAMPLES)
     if num_examples <= 0 or not num_examples.is_integer():
         raise InvalidReply(f"num-examples {num_examples} must be positive and a whole number")

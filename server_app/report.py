@@ -36,9 +36,21 @@ CLIENT_COLUMNS = (
 ROUND_COLUMNS = (
     "round", "mean_accuracy", "min_accuracy", "max_accuracy", "mean_generalized_accuracy", "num_evaluated",
     "num_trained", "mean_train_loss", "qp_fallbacks", "centroid_classes", "mean_clusters_per_class",
-    "bytes_sent", "bytes_received", "seconds", "mean_local_accuracy", "num_aggregated",
+    "bytes_sent", "bytes_received", "seconds", "mean_local_accuracy", "num_aggregated", "num_rejected",
 )
 CLUSTER_COLUMNS = ("round", "class", "partition_id", "cluster")
+
+
+def finite_json(value: object) -> object:
+    """``value`` with every NaN or infinite float as ``None``: JSON has no NaN, and a client's
+    metric (a diverged loss, say) must not make metrics.json unreadable to strict parsers."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
 
 
 @dataclass
@@ -68,6 +80,9 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
     # replies entered the base and the global head
     sampled: list[int] = field(default_factory=list)
     aggregated: list[int] = field(default_factory=list)
+    # training replies that came back but were not used: invalid, a client's error, or a
+    # partition-id claimed twice (each is logged with its reason)
+    rejected: int = 0
 
     @property
     def mean_accuracy(self) -> float:
@@ -142,11 +157,12 @@ class RunReport:
                  if np.isfinite(record.mean_local_accuracy) else "")
         sample = f" | aggregated {record.aggregated} of S_t {record.sampled}" if record.sampled else ""
         clusters = (f" | clusters per class {record.clusters_per_class}" if record.clusters else "")
+        rejected = f" ({record.rejected} replies rejected)" if record.rejected else ""
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
             f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized}{local} | "
-            f"{len(record.train)} trained, loss {record.mean_train_loss:.4f} | "
+            f"{len(record.train)} trained{rejected}, loss {record.mean_train_loss:.4f} | "
             f"QP fallbacks {record.qp_fallbacks}{clusters}{sample} | {record.seconds:.1f}s"
         )
 
@@ -193,6 +209,7 @@ class RunReport:
                 "seconds": r.seconds,
                 "mean_local_accuracy": r.mean_local_accuracy if np.isfinite(r.mean_local_accuracy) else "",
                 "num_aggregated": len(r.aggregated) if r.sampled else "",
+                "num_rejected": r.rejected,
             })
         return rows
 
@@ -223,7 +240,8 @@ class RunReport:
             for r in self.rounds
         ]
         document = {"config": self.config, "rounds": records, "written": time.time()}
-        atomic_write(self.directory / "metrics.json", json.dumps(document, separators=(",", ":")).encode())
+        atomic_write(self.directory / "metrics.json",
+                     json.dumps(finite_json(document), separators=(",", ":"), allow_nan=False).encode())
         atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
         atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
         clustered = any(r.clusters for r in self.rounds)

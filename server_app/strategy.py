@@ -398,19 +398,15 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             config = ConfigRecord({p.SERVER_ROUND: server_round})
             if evaluate_round is not None:
                 config[p.EVALUATE_ROUND] = evaluate_round
-            content = RecordDict(
-                {
-                    p.ARRAYS: p.to_record({**self.extractor_of(node_id, extractor), **self.head_of(node_id)}),
-                    p.CONFIG: config,
-                }
-            )
+            sections = {p.MODEL: {**self.extractor_of(node_id, extractor), **self.head_of(node_id)}}
             if message_type == MessageType.TRAIN and self.method.needs_centroids:
-                content[p.CENTROIDS] = p.to_record(self.alignment_targets(node_id))
+                sections[p.CENTROIDS] = self.alignment_targets(node_id)
             if message_type == MessageType.TRAIN and self.method.needs_initial_head:
-                content[p.INITIAL_HEAD] = p.to_record(self.initial_head)
+                sections[p.INITIAL_HEAD] = self.initial_head
                 config[p.HAS_PERSONAL_HEAD] = self.node_partition.get(node_id) in self.heads
             if message_type == MessageType.TRAIN and self.method.keeps_posteriors:
-                content[p.POSTERIOR] = p.to_record(self.posterior_of(node_id))
+                sections[p.POSTERIOR] = self.posterior_of(node_id)
+            content = RecordDict({p.ARRAYS: p.pack(sections), p.CONFIG: config})
             self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
             messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
         return messages
@@ -511,6 +507,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             pending, self._pending = self._pending, None
             self._close_round(pending, [u.evaluation for u in updates if u.evaluation is not None])
         record = self._record
+        record.rejected = len(replies) - len(updates)
         record.train = {
             u.partition_id: {k: v for k, v in u.metrics.items() if k != p.PARTITION_ID} for u in updates
         }
@@ -580,6 +577,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             {
                 "train-loss": record.mean_train_loss,
                 "num-replies": len(updates),
+                "num-rejected": record.rejected,
                 "qp-fallbacks": record.qp_fallbacks,
             }
         )

@@ -91,12 +91,29 @@ class InProcessGrid:
 # Reply tampering for the bad-reply tests: each returns a function that changes a reply in place.
 
 
-def set_array(record_key: str, key: str, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[Message], None]:
-    """Replace array ``key`` of the packed record ``record_key`` by ``change`` of a copy of it."""
+def set_section(reply: Message, section: str, arrays: p.NDArrays | None) -> None:
+    """Replace (``None``: remove) section ``section`` of the reply's packed ``arrays`` record."""
+    sections = p.sections_of(reply.content)
+    if arrays is None:
+        del sections[section]
+    else:
+        sections[section] = arrays
+    reply.content[p.ARRAYS] = p.pack(sections)
+
+
+def set_array(section: str, key: str, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[Message], None]:
+    """Replace array ``key`` of section ``section`` by ``change`` of a copy of it."""
     def tamper(reply: Message) -> None:
-        arrays = p.from_record(reply.content[record_key])
+        arrays = p.sections_of(reply.content)[section]
         arrays[key] = change(arrays[key].copy())
-        reply.content[record_key] = p.to_record(arrays)
+        set_section(reply, section, arrays)
+    return tamper
+
+
+def drop_section(section: str) -> Callable[[Message], None]:
+    """Remove section ``section`` from the reply."""
+    def tamper(reply: Message) -> None:
+        set_section(reply, section, None)
     return tamper
 
 

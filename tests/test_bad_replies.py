@@ -10,7 +10,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from common import protocol as p
 from common.config import parse_run_config
-from federation import InProcessGrid, nan, set_array, set_metric
+from common.files import npz_bytes
+from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
 from server_app.app import initial_model
 from server_app.strategy import FedPAC
 from common.model import split_state
@@ -45,13 +46,13 @@ def _compressed(arrays):
 
 
 CASES = {
-    "nan in extractor weights": (set_array(p.ARRAYS, "extractor.0.weight", nan), "NaN or Inf"),
-    "inf in head bias": (set_array(p.ARRAYS, "head.bias", _inf), "NaN or Inf"),
+    "nan in extractor weights": (set_array(p.MODEL, "extractor.0.weight", nan), "NaN or Inf"),
+    "inf in head bias": (set_array(p.MODEL, "head.bias", _inf), "NaN or Inf"),
     "nan in h": (set_array(p.STATISTICS, p.H, nan), "NaN or Inf"),
     "inf in centroids": (set_array(p.STATISTICS, p.CENTROID_VALUES, _inf), "NaN or Inf"),
     "nan V": (set_metric(p.V, float("nan")), "not a finite number"),
-    "wrong extractor shape": (set_array(p.ARRAYS, "extractor.0.weight", lambda a: a[:8]), "shape"),
-    "wrong number of classes in the head": (set_array(p.ARRAYS, "head.weight", lambda a: a[:7]), "shape"),
+    "wrong extractor shape": (set_array(p.MODEL, "extractor.0.weight", lambda a: a[:8]), "shape"),
+    "wrong number of classes in the head": (set_array(p.MODEL, "head.weight", lambda a: a[:7]), "shape"),
     "wrong number of classes in h": (set_array(p.STATISTICS, p.H, lambda a: a[:7]), "shape"),
     "wrong number of classes in the counts": (set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a[:7]), "shape"),
     "negative counts": (set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a - a.max()), "non-negative"),
@@ -65,11 +66,17 @@ CASES = {
     "oversized: a huge metric list": (set_metric("padding", [0.0] * 100_000), "a reply of this model can need"),
     "an extra record": (_add_small_record, "unexpected record"),
     "a metric list": (set_metric("padding", [0.0] * 10), "lists"),
-    "missing statistics": (lambda r: r.content.pop(p.STATISTICS), "missing record"),
+    "missing statistics": (drop_section(p.STATISTICS), "missing section 'statistics'"),
     "packed arrays not an archive": (_replace_packed(p.ARRAYS, np.arange(100, dtype=np.uint8)), "not a packed"),
-    "packed statistics as floats": (_replace_packed(p.STATISTICS, np.zeros(10)), "holds bytes"),
-    "packed statistics compressed (a zip bomb)": (
-        _replace_packed(p.STATISTICS, _compressed({p.H: np.zeros((10, 128))})), "must not be compressed"),
+    "packed arrays as floats": (_replace_packed(p.ARRAYS, np.zeros(10)), "holds bytes"),
+    "packed arrays compressed (a zip bomb)": (
+        _replace_packed(p.ARRAYS, _compressed({f"{p.STATISTICS}/{p.H}": np.zeros((10, 128))})),
+        "must not be compressed"),
+    "an extra section": (lambda r: set_section(r, "extra", {"blob": np.zeros(10)}), "unexpected section"),
+    "an array in no section": (_replace_packed(p.ARRAYS, np.frombuffer(npz_bytes({"h": np.zeros(10)}), np.uint8)),
+                               "not named <section>/<array>"),
+    "arrays as a metric record": (lambda r: r.content.__setitem__(p.ARRAYS, MetricRecord({"x": 1.0})),
+                                  "not an ArrayRecord"),
 }
 
 
@@ -105,7 +112,7 @@ def test_bad_reply_is_rejected_and_logged(case, caplog):
     assert f"Rejected reply from node {bad_node}" in caplog.text
     survivors = {0, 2, 3}
     assert set(strategy.heads) == survivors  # the rest of the round went on
-    assert metrics["num-replies"] == len(survivors)
+    assert metrics["num-replies"] == len(survivors) and metrics["num-rejected"] == 1
     extractor = p.from_record(new_arrays)
     assert all(np.isfinite(v).all() for v in extractor.values())
     assert np.isfinite(strategy.centroids).all()

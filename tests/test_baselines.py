@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from client_app.app import app as client_app
 from client_app.train import Received, local_update
@@ -20,7 +20,7 @@ from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS, Rule
 from common.model import FedPACNet, split_state
-from federation import InProcessGrid
+from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
 from server_app.strategy import FedPAC
@@ -86,9 +86,10 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
             np.testing.assert_allclose(np.sum(record.alpha, axis=1), 1.0)
     # clients send statistics only when the server step uses them, and only the ones it uses
     for content in recorder.train.values():
-        assert (p.STATISTICS in content) == (method.sends_class_counts or method.keeps_posteriors)
-        if p.STATISTICS in content:
-            sent = set(p.from_record(content[p.STATISTICS]))
+        sections = p.sections_of(content)
+        assert (p.STATISTICS in sections) == (method.sends_class_counts or method.keeps_posteriors)
+        if p.STATISTICS in sections:
+            sent = set(sections[p.STATISTICS])
             assert (p.CENTROID_VALUES in sent) == method.needs_centroids
             assert (p.H in sent) == method.needs_statistics
             assert (p.SCALE_WEIGHT in sent) == method.keeps_posteriors
@@ -97,8 +98,8 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
         assert (p.V in content[p.METRICS]) == method.needs_statistics
     # the server sends centroids only to methods that align features
     train_messages = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-    assert all((p.CENTROIDS in m.content) == method.needs_centroids for m in train_messages)
-    assert all((p.POSTERIOR in m.content) == method.keeps_posteriors for m in train_messages)
+    assert all((p.CENTROIDS in p.sections_of(m.content)) == method.needs_centroids for m in train_messages)
+    assert all((p.POSTERIOR in p.sections_of(m.content)) == method.keeps_posteriors for m in train_messages)
 
     (run_dir,) = tmp_path.iterdir()
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -130,7 +131,7 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
 
 def _reply(msg: Message, arrays: dict, num_examples: int, pid: int) -> Message:
     content = RecordDict({
-        p.ARRAYS: p.to_record(arrays),
+        p.ARRAYS: p.pack({p.MODEL: arrays}),
         p.METRICS: MetricRecord({p.PARTITION_ID: pid, p.NUM_EXAMPLES: num_examples, "train-loss": 1.0}),
     })
     return Message(content=content, reply_to=msg)
@@ -161,14 +162,14 @@ def test_fedavg_aggregate_equals_a_hand_computed_weighted_mean():
     # every node, including one that never trained, evaluates the one global model
     grid.contexts[12345] = grid.contexts[next(iter(grid.contexts))]
     for msg in strategy.configure_evaluate(1, new_arrays, ConfigRecord(), grid):
-        for value in p.from_record(msg.content[p.ARRAYS]).values():
+        for value in p.sections_of(msg.content)[p.MODEL].values():
             np.testing.assert_allclose(value, expected, rtol=1e-6)
 
 
 def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires_them(caplog):
     def add_statistics(reply, pid):
         if pid == 1 and reply.metadata.message_type == MessageType.TRAIN:
-            reply.content[p.STATISTICS] = p.to_record({p.CLASS_COUNTS: np.full(10, 6, dtype=np.int64)})
+            set_section(reply, p.STATISTICS, {p.CLASS_COUNTS: np.full(10, 6, dtype=np.int64)})
         return reply
 
     config = _config("fedavg")
@@ -176,13 +177,13 @@ def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires
     grid = InProcessGrid(config, 3, tamper=add_statistics)
     with caplog.at_level(logging.WARNING):
         _, (_, metrics) = _train_round(strategy, grid, extractor)
-    assert metrics["num-replies"] == 2 and "unexpected record(s) ['statistics']" in caplog.text
+    assert metrics["num-replies"] == 2 and "unexpected section(s) ['statistics']" in caplog.text
 
     def drop_h(reply, pid):
         if pid == 2 and reply.metadata.message_type == MessageType.TRAIN:
-            stats = p.from_record(reply.content[p.STATISTICS])
+            stats = p.sections_of(reply.content)[p.STATISTICS]
             del stats[p.H]
-            reply.content[p.STATISTICS] = p.to_record(stats)
+            set_section(reply, p.STATISTICS, stats)
         return reply
 
     config = _config("fedpac-collab")
@@ -207,7 +208,7 @@ def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
     grid = InProcessGrid(config, 4, tamper=recorder, shuffle_replies=True)
     _, (new_arrays, _) = _train_round(strategy, grid, extractor)
 
-    trained = {pid: p.from_record(content[p.ARRAYS]) for pid, content in recorder.train.items()}
+    trained = {pid: p.sections_of(content)[p.MODEL] for pid, content in recorder.train.items()}
     assert sorted(trained) == [0, 1, 2, 3]
     assert not np.allclose(trained[0]["head.weight"], trained[1]["head.weight"])  # a real test
     for pid, arrays in trained.items():
@@ -222,7 +223,7 @@ def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
     for phase in (strategy.configure_evaluate, strategy.configure_train):
         for msg in phase(2, new_arrays, ConfigRecord(), grid):
             pid = grid.partition_of_node[msg.metadata.dst_node_id]
-            sent = p.from_record(msg.content[p.ARRAYS])
+            sent = p.sections_of(msg.content)[p.MODEL]
             np.testing.assert_array_equal(sent["head.weight"], trained[pid]["head.weight"])
             np.testing.assert_array_equal(sent["extractor.0.weight"], p.from_record(new_arrays)["extractor.0.weight"])
 
@@ -237,8 +238,8 @@ def test_local_only_keeps_every_whole_model_local():
         np.testing.assert_array_equal(value, extractor[key])
     for msg in strategy.configure_train(2, new_arrays, ConfigRecord(), grid):
         pid = grid.partition_of_node[msg.metadata.dst_node_id]
-        sent = p.from_record(msg.content[p.ARRAYS])
-        own = p.from_record(recorder.train[pid][p.ARRAYS])
+        sent = p.sections_of(msg.content)[p.MODEL]
+        own = p.sections_of(recorder.train[pid])[p.MODEL]
         assert set(sent) == set(own)
         for key, value in own.items():
             np.testing.assert_array_equal(sent[key], value)
@@ -319,7 +320,7 @@ def _evaluate(strategy, state):
     grid = InProcessGrid(_config(strategy), 2)
     node = next(n for n, pid in grid.partition_of_node.items() if pid == 0)
     msg = Message(
-        content=RecordDict({p.ARRAYS: ArrayRecord(torch_state_dict=state),
+        content=RecordDict({p.ARRAYS: p.pack({p.MODEL: {k: v.numpy() for k, v in state.items()}}),
                             p.CONFIG: ConfigRecord({p.SERVER_ROUND: 1})}),
         message_type=MessageType.EVALUATE, dst_node_id=node,
     )

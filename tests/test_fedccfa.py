@@ -153,7 +153,7 @@ class StatisticsByRound:
 
     def __call__(self, reply, pid):
         if reply.metadata.message_type == MessageType.TRAIN and reply.has_content():
-            stats = p.from_record(reply.content[p.STATISTICS])
+            stats = p.sections_of(reply.content)[p.STATISTICS]
             self.counts.setdefault(pid, []).append(stats[p.CLASS_COUNTS])
         return reply
 
@@ -188,7 +188,7 @@ def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
     trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     initial = strategy.initial_head
     for message in trains:
-        sent = p.from_record(message.content[p.INITIAL_HEAD])
+        sent = p.sections_of(message.content)[p.INITIAL_HEAD]
         for key, value in initial.items():
             np.testing.assert_array_equal(sent[key], value)
     flags = [bool(m.content[p.CONFIG][p.HAS_PERSONAL_HEAD]) for m in trains]
@@ -243,7 +243,7 @@ def test_without_clustered_anchors_every_client_aligns_to_the_latest_round_mean(
     trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     by_round: dict[int, list[dict]] = {}
     for message in trains:
-        targets = p.from_record(message.content[p.CENTROIDS])
+        targets = p.sections_of(message.content)[p.CENTROIDS]
         by_round.setdefault(int(message.content[p.CONFIG][p.SERVER_ROUND]), []).append(targets)
     assert not any(t[p.CENTROID_MASK].any() for t in by_round[1])  # nothing before the first reply
     for later in (2, 3):  # first participants included: one set for all, every class anchored

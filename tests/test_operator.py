@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import gzip
 import io
+import json
 import logging
 import os
 import shutil
@@ -247,6 +248,21 @@ def test_round_outputs_checkpoint_first_then_tables_then_charts(tmp_path, monkey
     _end_round(report, 1)
     assert written[:4] == ["checkpoint.npz", "metrics.json", "rounds.csv", "clients.csv"]
     assert set(written[4:]) == {"accuracy.png", "alpha.png"}
+
+
+def test_metrics_json_stays_standard_json_when_a_client_reports_nan(tmp_path):
+    report = _report(tmp_path)
+    record = _record(1)
+    record.train = {0: {"head-loss": float("nan"), "train-loss": 0.5, "num-examples": 6.0},
+                    1: {"head-loss": float("inf"), "train-loss": 0.25, "num-examples": 6.0}}
+    write_round_outputs(report, record, _checkpoint([record]))
+
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    document = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=refuse)
+    train = document["rounds"][0]["train"]
+    assert train["0"]["head-loss"] is None and train["1"]["head-loss"] is None and train["0"]["train-loss"] == 0.5
 
 
 @pytest.mark.parametrize("failure", ["disk full", "plot error"])
@@ -496,7 +512,7 @@ def test_a_client_claiming_far_more_samples_is_weighted_at_most_ten_times_the_me
     with caplog.at_level(logging.WARNING):
         strategy, _ = run_fedpac(InProcessGrid(config, 3, tamper=tamper), parse_run_config(config), 1)
     assert any("partition 0 reports 120000 training samples" in r.getMessage() for r in caplog.records)
-    extractors = [{k: v for k, v in p.from_record(seen[pid][p.ARRAYS]).items() if k.startswith("extractor.")}
+    extractors = [{k: v for k, v in p.sections_of(seen[pid])[p.MODEL].items() if k.startswith("extractor.")}
                   for pid in range(3)]
     expected = weighted_average(extractors, [600, 60, 60])  # 10 x the median 60, not 120,000
     for key, value in expected.items():

@@ -34,7 +34,7 @@ from common.variational import (
     posterior_mean_logits,
     softplus_inverse,
 )
-from federation import InProcessGrid, nan, set_array, set_metric
+from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
 from server_app.app import initial_model, initial_prior_head, run_fedpac
 from server_app.checkpoint import load_checkpoint
 from server_app.strategy import FedPAC
@@ -84,7 +84,7 @@ def _pid_of(grid, node_id):
 
 
 def _reply_parts(content):
-    arrays = p.from_record(content[p.ARRAYS])
+    arrays = p.sections_of(content)[p.MODEL]
     extractor, head = split_state(arrays)
     return extractor, head, float(content[p.METRICS][p.RHO]), int(content[p.METRICS][p.NUM_EXAMPLES])
 
@@ -246,13 +246,13 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
             # the next round's messages carry theta^{t+1}, w^{t+1} and every client's own posterior
             for message in _train_messages(grid, server_round + 1):
                 pid = _pid_of(grid, message.metadata.dst_node_id)
-                arrays = p.from_record(message.content[p.ARRAYS])
-                posterior = p.from_record(message.content[p.POSTERIOR])
+                arrays = p.sections_of(message.content)[p.MODEL]
+                posterior = p.sections_of(message.content)[p.POSTERIOR]
                 _assert_close(arrays, extractor)
                 _assert_close({p.HEAD_WEIGHT: posterior[p.PRIOR_WEIGHT], p.HEAD_BIAS: posterior[p.PRIOR_BIAS]}, head)
                 sent_back = recorder.train[(server_round, pid)]
                 _, own_mean, _, _ = _reply_parts(sent_back)
-                own_scale = p.from_record(sent_back[p.STATISTICS])
+                own_scale = p.sections_of(sent_back)[p.STATISTICS]
                 np.testing.assert_array_equal(arrays[p.HEAD_WEIGHT], own_mean[p.HEAD_WEIGHT])
                 np.testing.assert_array_equal(posterior[p.SCALE_WEIGHT], own_scale[p.SCALE_WEIGHT])
                 np.testing.assert_array_equal(posterior[p.SCALE_BIAS], own_scale[p.SCALE_BIAS])
@@ -277,8 +277,8 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     assert all(not np.array_equal(a, b) for a, b in zip(first_round, means))
     # round 1's messages carried w^0 as every client's mean, sigma = 1 (the code's initialization)
     for message in _train_messages(grid, 1):
-        np.testing.assert_array_equal(p.from_record(message.content[p.ARRAYS])[p.HEAD_WEIGHT], initial[p.HEAD_WEIGHT])
-        np.testing.assert_allclose(p.from_record(message.content[p.POSTERIOR])[p.SCALE_WEIGHT], s0)
+        np.testing.assert_array_equal(p.sections_of(message.content)[p.MODEL][p.HEAD_WEIGHT], initial[p.HEAD_WEIGHT])
+        np.testing.assert_allclose(p.sections_of(message.content)[p.POSTERIOR][p.SCALE_WEIGHT], s0)
     # rho: 1 in round 1 (mu = w^0, sigma = 1), then each client's own
     assert all(m["rho"] == pytest.approx(1.0) for m in report.rounds[0].train.values())
     assert len({round(m["rho"], 9) for m in report.rounds[-1].train.values()}) == CLIENTS
@@ -288,7 +288,7 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     evaluations = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
     assert len(evaluations) == CLIENTS
     for message in evaluations:
-        arrays = p.from_record(message.content[p.ARRAYS])
+        arrays = p.sections_of(message.content)[p.MODEL]
         pid = _pid_of(grid, message.metadata.dst_node_id)
         np.testing.assert_array_equal(arrays[p.HEAD_WEIGHT], strategy.heads[pid][p.HEAD_WEIGHT])
         np.testing.assert_array_equal(arrays["extractor.0.weight"], strategy.extractor["extractor.0.weight"])
@@ -362,9 +362,9 @@ def test_a_restarted_supernode_gets_its_posterior_back_and_the_run_is_unchanged(
     assert grid.new_node is not None and restarted.node_partition[grid.new_node] == 2
     (message,) = [m for m in _train_messages(grid, 3) if m.metadata.dst_node_id == grid.new_node]
     _, mean, _, _ = _reply_parts(recorder.train[(2, 2)])
-    np.testing.assert_array_equal(p.from_record(message.content[p.ARRAYS])[p.HEAD_WEIGHT], mean[p.HEAD_WEIGHT])
-    np.testing.assert_array_equal(p.from_record(message.content[p.POSTERIOR])[p.SCALE_WEIGHT],
-                                  p.from_record(recorder.train[(2, 2)][p.STATISTICS])[p.SCALE_WEIGHT])
+    np.testing.assert_array_equal(p.sections_of(message.content)[p.MODEL][p.HEAD_WEIGHT], mean[p.HEAD_WEIGHT])
+    np.testing.assert_array_equal(p.sections_of(message.content)[p.POSTERIOR][p.SCALE_WEIGHT],
+                                  p.sections_of(recorder.train[(2, 2)])[p.STATISTICS][p.SCALE_WEIGHT])
     _assert_same_run(full, full_report, restarted, report)
 
 
@@ -407,23 +407,23 @@ def _drop_metric(key):
 
 
 def _add_statistic(reply):
-    arrays = p.from_record(reply.content[p.STATISTICS])
+    arrays = p.sections_of(reply.content)[p.STATISTICS]
     arrays[p.CLASS_COUNTS] = np.zeros(10, dtype=np.int64)
-    reply.content[p.STATISTICS] = p.to_record(arrays)
+    set_section(reply, p.STATISTICS, arrays)
 
 
 BAD_REPLIES = {
-    "nan in the posterior mean": (set_array(p.ARRAYS, p.HEAD_WEIGHT, nan), "NaN or Inf"),
+    "nan in the posterior mean": (set_array(p.MODEL, p.HEAD_WEIGHT, nan), "NaN or Inf"),
     "inf in the scales": (set_array(p.STATISTICS, p.SCALE_BIAS, lambda a: a + np.inf), "NaN or Inf"),
     "negative rho": (set_metric(p.RHO, -0.5), "rho = -0.5 must be a positive number"),
     "zero rho": (set_metric(p.RHO, 0.0), "rho = 0.0 must be a positive number"),
     "rho whose confidence is zero": (set_metric(p.RHO, 1e200), "finite, positive confidence"),
     "nan rho": (set_metric(p.RHO, float("nan")), "'rho' = nan is not a finite number"),
     "missing rho": (_drop_metric(p.RHO), "missing metric 'rho'"),
-    "posterior mean of the wrong shape": (set_array(p.ARRAYS, p.HEAD_WEIGHT, lambda a: a[:7]), "shape"),
+    "posterior mean of the wrong shape": (set_array(p.MODEL, p.HEAD_WEIGHT, lambda a: a[:7]), "shape"),
     "scales of the wrong shape": (set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a[:, :64]), "shape"),
     "scales in the paper's (d, K) layout": (set_array(p.STATISTICS, p.SCALE_WEIGHT, lambda a: a.T.copy()), "shape"),
-    "missing scales": (lambda r: r.content.pop(p.STATISTICS), "missing record 'statistics'"),
+    "missing scales": (drop_section(p.STATISTICS), "missing section 'statistics'"),
     "an extra statistic": (_add_statistic, "unexpected arrays"),
     "local accuracy above 1": (set_metric(p.LOCAL_ACCURACY, 1.5), "local accuracy 1.5 outside [0, 1]"),
 }

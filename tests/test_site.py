@@ -5,6 +5,7 @@ slots, and the packed records every message carries."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import sys
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import flwr.supernode.start_client_internal as supernode_loop
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from client_app import site_model
 from client_app.app import client_tensors
@@ -187,6 +188,74 @@ def test_launchers_make_flowers_pull_handlers_long_polls(monkeypatch):
     assert all(new is not old and new.__wrapped__ is old for new, old in zip(wrapped, originals))
 
 
+def test_a_node_waits_for_its_clientapps_reply_as_a_long_poll(monkeypatch):
+    from flwr.app import ConfigRecord, Message, MessageType
+    from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    for name in ("store_message", "get_messages"):
+        monkeypatch.setattr(InMemoryNodeState, name, getattr(InMemoryNodeState, name))
+    for name in ("run_id", "task_id", "node_id"):
+        monkeypatch.setattr(TaskIdentity, f"_{name}", 1)
+    fast_supernode.long_poll_replies(1.0)
+    state = InMemoryNodeState(InMemoryObjectStore())
+
+    def stored(message: Message) -> Message:
+        message.metadata.__dict__["_message_id"] = message.object_id  # as the node loop does
+        return message
+
+    ins = stored(Message(content=RecordDict({"c": ConfigRecord({"a": 1})}), message_type=MessageType.TRAIN,
+                         dst_node_id=1))
+    state.store_message(ins)
+    started = time.monotonic()
+    assert len(state.get_messages(is_reply=False)) == 1 and time.monotonic() - started < 0.1  # unchanged
+    started = time.monotonic()
+    assert state.get_messages(is_reply=True) == [] and 0.95 <= time.monotonic() - started < 1.5
+    reply = stored(Message(content=RecordDict({"c": ConfigRecord({"b": 2})}), reply_to=ins))
+    threading.Timer(0.2, state.store_message, args=(reply,)).start()
+    started = time.monotonic()
+    assert len(state.get_messages(is_reply=True)) == 1 and time.monotonic() - started < 0.6  # woken by it
+
+
+def test_fast_supernode_removes_exactly_the_periodic_wakeups_flower_and_uvicorn_have():
+    import flwr.client.grpc_rere_client.connection as fleet_connection
+    import uvicorn
+
+    # the patch points are still there (else the launcher is stale)
+    assert "channel.subscribe(on_channel_state_change)" in inspect.getsource(fleet_connection)
+    assert "await asyncio.sleep(0.1)" in inspect.getsource(uvicorn.Server.main_loop)
+    created = fleet_connection.create_channel
+    arguments = {"server_address": "127.0.0.1:1", "insecure": True, "root_certificates": None,
+                 "max_message_length": 1024}
+
+    def threads_after_subscribing(channel) -> int:
+        before = threading.active_count()
+        channel.subscribe(lambda state: None)
+        time.sleep(0.3)
+        started = threading.active_count() - before
+        channel.close()
+        return started
+
+    try:
+        fast_supernode.without_connectivity_polling()
+        assert threads_after_subscribing(fleet_connection.create_channel(**arguments)) == 0
+    finally:
+        fleet_connection.create_channel = created
+    assert threads_after_subscribing(created(**arguments)) == 1  # grpcio's polling thread
+
+    class Ticking:
+        ticks: list[int] = []
+
+        async def on_tick(self, counter: int) -> bool:
+            self.ticks.append(counter)
+            return len(self.ticks) == 3
+
+    started = time.monotonic()
+    asyncio.run(fast_supernode._main_loop_every_second(Ticking()))  # pylint: disable=protected-access
+    assert Ticking.ticks == [0, 10, 20] and 1.9 <= time.monotonic() - started < 2.5  # the header each tick
+
+
 def test_host_slots_let_at_most_count_holders_in_at_once(tmp_path):
     slots = warm_executor.HostSlots(tmp_path / "slots", 2)
     inside, most = [0], [0]
@@ -223,3 +292,23 @@ def test_packed_records_keep_names_dtypes_and_shapes_in_one_array():
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value)
     plain = ArrayRecord(array_dict={"w": Array(np.ones(3))})  # Flower's own form is still read
     assert list(protocol.from_record(plain)) == ["w"]
+
+
+def test_a_message_carries_all_its_arrays_in_one_record_by_section():
+    model = {"extractor.0.weight": np.ones((2, 3), dtype=np.float32), "head.bias": np.zeros(2, dtype=np.float32)}
+    stats = {protocol.H: np.arange(4, dtype=np.float64).reshape(2, 2), protocol.CLASS_COUNTS: np.array([3, 0])}
+    record = protocol.pack({protocol.MODEL: model, protocol.STATISTICS: stats, protocol.CENTROIDS: {}})
+    assert list(record) == [protocol.PACKED]  # one Array: one object per hop for all of them
+    sections = protocol.unpack(record)
+    assert list(sections) == [protocol.MODEL, protocol.STATISTICS]  # the empty section is left out
+    for section, arrays in ((protocol.MODEL, model), (protocol.STATISTICS, stats)):
+        assert list(sections[section]) == list(arrays)
+        for key, value in arrays.items():
+            assert sections[section][key].dtype == value.dtype and np.array_equal(sections[section][key], value)
+    content = RecordDict({protocol.ARRAYS: record})
+    assert protocol.sections_of(content)[protocol.MODEL].keys() == model.keys()
+    assert protocol.sections_of(RecordDict()) == {}
+    with pytest.raises(ValueError, match="section name"):
+        protocol.pack({"a/b": model})
+    with pytest.raises(ValueError, match="not named <section>/<array>"):
+        protocol.unpack(protocol.to_record({"h": np.zeros(2)}))

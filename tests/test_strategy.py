@@ -10,7 +10,7 @@ from common import protocol as p
 from common.aggregation import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import parse_run_config
-from federation import InProcessGrid
+from federation import InProcessGrid, set_section
 from server_app.app import initial_model
 from server_app.replies import parse_train_reply
 from server_app.strategy import FedPAC
@@ -86,10 +86,10 @@ def test_every_node_receives_its_own_head_next_round():
     assert len({id(m.content) for m in messages}) == len(messages)  # no shared records
     for msg in messages:
         pid = grid.partition_of_node[msg.metadata.dst_node_id]
-        sent = p.from_record(msg.content[p.ARRAYS])
+        sent = p.sections_of(msg.content)[p.MODEL]
         for key, value in strategy.heads[pid].items():
             np.testing.assert_array_equal(sent[key], value)
-        np.testing.assert_array_equal(p.from_record(msg.content[p.CENTROIDS])[p.CENTROID_MASK],
+        np.testing.assert_array_equal(p.sections_of(msg.content)[p.CENTROIDS][p.CENTROID_MASK],
                                       strategy.centroid_mask.astype(np.uint8))
     assert strategy.centroid_mask[:10].any()
 
@@ -105,9 +105,9 @@ def test_partial_participation_samples_the_fraction_and_all_in_last_round():
 def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
     def tamper(reply, pid):
         if pid == 1:  # NaN statistics
-            stats = p.from_record(reply.content[p.STATISTICS])
+            stats = p.sections_of(reply.content)[p.STATISTICS]
             stats[p.H][0, 0] = np.nan
-            reply.content[p.STATISTICS] = p.to_record(stats)
+            set_section(reply, p.STATISTICS, stats)
         if pid == 2:  # a client that lies about its sample count
             reply.content[p.METRICS][p.NUM_EXAMPLES] = 10**6
         return reply
@@ -179,7 +179,7 @@ def test_a_restarted_supernode_gets_its_own_head_back():
     grid.contexts[12345] = context
     grid.partition_of_node[12345] = 2
     messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
-    sent = next(p.from_record(m.content[p.ARRAYS]) for m in messages if m.metadata.dst_node_id == 12345)
+    sent = next(p.sections_of(m.content)[p.MODEL] for m in messages if m.metadata.dst_node_id == 12345)
     np.testing.assert_array_equal(sent["head.weight"], strategy.heads[2]["head.weight"])
     assert strategy.node_partition.get(12345) == 2 and old not in strategy.node_partition
 
