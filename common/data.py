@@ -431,13 +431,22 @@ def load_dataset(cfg: FedPACConfig) -> ImageDataset:
     data = load_source_dataset(cfg)
     if cfg.partition != "super-labels":
         return data
-    if data.num_classes != dataset_classes(cfg):
+    return _super_labelled(cfg.dataset, cfg.data_dir, cfg.hf_repo, cfg.num_classes)
+
+
+@lru_cache(maxsize=2)
+def _super_labelled(dataset: str, data_dir: str, hf_repo: str, num_super_labels: int) -> ImageDataset:
+    """The cached dataset with super-labels, one view per process (its normalization statistics
+    are computed once, like the dataset's own)."""
+    data = _load_cached(dataset, data_dir, hf_repo)
+    if data.num_classes != num_super_labels * SUPER_LABEL_SIZE:
         raise DataError(
-            f"partition 'super-labels' groups {dataset_classes(cfg)} classes into {cfg.num_classes} super-labels "
-            f"of {SUPER_LABEL_SIZE}, but dataset '{data.name}' has {data.num_classes} classes"
+            f"partition 'super-labels' groups {num_super_labels * SUPER_LABEL_SIZE} classes into "
+            f"{num_super_labels} super-labels of {SUPER_LABEL_SIZE}, but dataset '{data.name}' has "
+            f"{data.num_classes} classes"
         )
     return ImageDataset(data.name, data.train_images, super_labels(data.train_labels), data.test_images,
-                        super_labels(data.test_labels), num_classes=cfg.num_classes)
+                        super_labels(data.test_labels), num_classes=num_super_labels)
 
 
 def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ import pytest
 
 from common import data as data_module
 from common.config import ConfigError, dataset_classes, parse_run_config
-from common.data import DataError, ImageDataset, load_dataset, super_labels
+from common.data import DataError, ImageDataset, load_dataset, load_source_dataset, super_labels
 from common.partition import (
     ComplementaryPairsPartitioner,
     SuperLabelPartitioner,
@@ -163,8 +163,11 @@ def test_super_labels_merge_consecutive_classes_and_the_model_has_half_the_outpu
     hf = parse_run_config({"partition": "super-labels", "dataset": "hf", "hf-repo": "x", "num-classes": 3})
     assert (hf.num_classes, dataset_classes(hf)) == (3, 6)
     # the task's dataset view (the clients' and the generalized accuracy's): super-labels
-    data = load_dataset(parse_run_config({"partition": "super-labels"}))
+    cfg = parse_run_config({"partition": "super-labels"})
+    data, source = load_dataset(cfg), load_source_dataset(cfg)
     assert data.num_classes == 5 and set(np.unique(data.test_labels).tolist()) == set(range(5))
+    np.testing.assert_array_equal(data.test_labels, source.test_labels // 2)
+    assert data.train_images is source.train_images and load_dataset(cfg) is data  # one view, no copies
 
 
 def test_each_client_holds_one_member_of_every_super_label_and_its_block_partner_the_other():
