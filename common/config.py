@@ -20,7 +20,14 @@ DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
 # EMNIST/Fashion-MNIST, 0.02 for CIFAR-10/CINIC-10), for ``extractor-lr = 0``.
 DATASET_EXTRACTOR_LR = {"cifar10": 0.02}
 DEFAULT_EXTRACTOR_LR = 0.01
-PARTITIONS = ("fedpac", "concept-shift", "dirichlet", "dirichlet-min", "pathological")
+PARTITIONS = (
+    "fedpac", "concept-shift", "dirichlet", "dirichlet-min", "pathological", "vem-pairs", "super-labels"
+)
+# pFedVEM's label skew (``vem-pairs``) gives the two clients of a pair complementary halves of the
+# classes; ``super-labels`` (our own concept-drift analogue for 28x28 data) groups the classes into
+# super-labels of this many members each: the task is the super-label, so the model has
+# (the dataset's classes) / SUPER_LABEL_SIZE outputs.
+SUPER_LABEL_SIZE = 2
 DEVICES = ("auto", "cpu", "cuda")
 QP_SOLVERS = ("vectorized", "cvxpy")
 
@@ -227,6 +234,9 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(
         cfg.partition in PARTITIONS, k("partition"), cfg.partition, f"one of {', '.join(PARTITIONS)}"
     )
+    _check(cfg.partition != "vem-pairs" or cfg.num_classes % 2 == 0, k("partition"), cfg.partition,
+           f"not 'vem-pairs' with an odd number of classes ({cfg.num_classes}): a pair splits the classes "
+           "into two complementary halves")
     _check(0.0 <= cfg.uniform_share <= 100.0, k("uniform_share"), cfg.uniform_share, "in [0, 100]")
     for name in ("samples_per_client", "test_samples_per_client"):
         value = getattr(cfg, name)
@@ -365,11 +375,27 @@ _DATASET_SHAPES = {
 
 
 def _apply_dataset(cfg: FedPACConfig) -> FedPACConfig:
-    """The dataset's input and output shapes (its step size is set by ``FedPACConfig`` itself)."""
+    """The dataset's input and output shapes (its step size is set by ``FedPACConfig`` itself).
+
+    ``num-classes`` is the model's number of outputs: under ``super-labels`` that is the number
+    of super-labels, the named dataset's classes / SUPER_LABEL_SIZE.
+    """
     shape = _DATASET_SHAPES.get(cfg.dataset)
     if shape is None:
         return cfg
-    return FedPACConfig(**{**cfg.__dict__, **dict(zip(("num_classes", "image_size", "image_channels"), shape))})
+    classes, image_size, channels = shape
+    if cfg.partition == "super-labels":
+        classes //= SUPER_LABEL_SIZE
+    return FedPACConfig(**{**cfg.__dict__, "num_classes": classes, "image_size": image_size,
+                           "image_channels": channels})
+
+
+def dataset_classes(cfg: FedPACConfig) -> int:
+    """The number of classes of the run's dataset: ``num-classes`` (the model's outputs) except
+    under ``super-labels``, whose task merges SUPER_LABEL_SIZE classes into each output."""
+    if cfg.partition == "super-labels":
+        return cfg.num_classes * SUPER_LABEL_SIZE
+    return cfg.num_classes
 
 
 def dataset_defaults_note(run_config: Mapping[str, Any], cfg: FedPACConfig) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import FedPACConfig, configured_normalization
+from common.config import SUPER_LABEL_SIZE, FedPACConfig, configured_normalization, dataset_classes
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 CIFAR10_HF_REPO = "uoft-cs/cifar10"
@@ -402,20 +402,51 @@ def load_client_directory(directory: str | Path, num_classes: int) -> ImageDatas
 def check_shape(data: ImageDataset, cfg: FedPACConfig) -> ImageDataset:
     """``data`` if its images and classes fit the model the run config builds, else a DataError."""
     expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
-    if data.image_shape != expected or data.num_classes > cfg.num_classes:
+    if data.image_shape != expected or data.num_classes > dataset_classes(cfg):
         raise DataError(
             f"dataset '{data.name}' has {data.image_shape} images and {data.num_classes} classes; "
-            f"the run config expects {expected} and at most {cfg.num_classes} classes"
+            f"the run config expects {expected} and at most {dataset_classes(cfg)} classes"
         )
     return data
 
 
-def load_dataset(cfg: FedPACConfig) -> ImageDataset:
-    """The dataset a run config names, checked against the model shape the config implies.
+def super_labels(labels: np.ndarray) -> np.ndarray:
+    """The super-label of each class (partition ``super-labels``): a fixed grouping of
+    SUPER_LABEL_SIZE consecutive classes, {0, 1} -> 0, {2, 3} -> 1, ... Fixed rather than seeded,
+    so every run and every client reads a label the same way."""
+    return np.asarray(labels, dtype=np.int64) // SUPER_LABEL_SIZE
 
-    Cached per process: a simulation reuses one loaded dataset for every ClientApp call.
-    """
+
+def load_source_dataset(cfg: FedPACConfig) -> ImageDataset:
+    """The dataset a run config names, with the dataset's own classes (what partitioners split),
+    checked against the model shape the config implies. Cached per process."""
     return check_shape(_load_cached(cfg.dataset, cfg.data_dir, cfg.hf_repo), cfg)
+
+
+def load_dataset(cfg: FedPACConfig) -> ImageDataset:
+    """The dataset a run config names, labelled as the run's task: its own classes, except under
+    ``super-labels``, whose task (and the whole test set of the generalized accuracy) is the
+    super-label. The images are the cached arrays of :func:`load_source_dataset`.
+    """
+    data = load_source_dataset(cfg)
+    if cfg.partition != "super-labels":
+        return data
+    return _super_labelled(cfg.dataset, cfg.data_dir, cfg.hf_repo, cfg.num_classes)
+
+
+@lru_cache(maxsize=2)
+def _super_labelled(dataset: str, data_dir: str, hf_repo: str, num_super_labels: int) -> ImageDataset:
+    """The cached dataset with super-labels, one view per process (its normalization statistics
+    are computed once, like the dataset's own)."""
+    data = _load_cached(dataset, data_dir, hf_repo)
+    if data.num_classes != num_super_labels * SUPER_LABEL_SIZE:
+        raise DataError(
+            f"partition 'super-labels' groups {num_super_labels * SUPER_LABEL_SIZE} classes into "
+            f"{num_super_labels} super-labels of {SUPER_LABEL_SIZE}, but dataset '{data.name}' has "
+            f"{data.num_classes} classes"
+        )
+    return ImageDataset(data.name, data.train_images, super_labels(data.train_labels), data.test_images,
+                        super_labels(data.test_labels), num_classes=num_super_labels)
 
 
 def normalization(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,25 +1,29 @@
-"""Client partitions: the paper's scheme (Appendix B.2), concept shift, and flwr-datasets' own.
+"""Client partitions: the paper's scheme (Appendix B.2), concept shift, FedCCFA's and pFedVEM's
+schemes, and flwr-datasets' own.
 
 All partitioners are flwr-datasets ``Partitioner`` subclasses over a ``datasets.Dataset`` with a
 ``label`` column (images stay in numpy; the partitioner only chooses indices, carried in an
 ``index`` column). A client's test split is drawn from the dataset's test pool with the same
 label proportions as its training partition, whichever partitioner made that partition, except
 under FedCCFA's ``dirichlet-min`` scheme (:class:`MinimumDirichletPartitioner`), which partitions
-the whole test pool with the same per-class Dirichlet proportions as the training set.
+the whole test pool with the same per-class Dirichlet proportions as the training set, and under
+pFedVEM's schemes (:class:`ClassChunkPartitioner`: ``vem-pairs``, ``super-labels``), where a
+client's test set is the whole test set of each class it holds, as in the authors' code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import datasets
 import numpy as np
 from datasets import Dataset
 from flwr_datasets.partitioner import DirichletPartitioner, Partitioner, PathologicalPartitioner
 
-from common.config import FedPACConfig
-from common.data import DataError, ImageDataset
+from common.config import SUPER_LABEL_SIZE, FedPACConfig, dataset_classes
+from common.data import DataError, ImageDataset, super_labels
 
 # Partitioning selects a few hundred rows per client; a progress bar per call is only noise.
 datasets.disable_progress_bars()
@@ -269,6 +273,155 @@ class MinimumDirichletPartitioner(Partitioner):
         return self.dataset.select(self.partition_rows(partition_id))
 
 
+def random_chunk_sizes(class_size: int, num_chunks: int, rng: np.random.Generator) -> np.ndarray:
+    """pFedVEM's data quantity disparity: one class's ``class_size`` samples cut at
+    ``num_chunks - 1`` uniformly random points into chunks of very unequal sizes.
+
+    The cut points are drawn from *this* class's size: the authors' ``RandomDataSplit`` draws
+    them once from class 0's size and cuts every class there, which leaves chunks empty or
+    oversized when classes differ in size (MNIST: 5,421 to 6,742). As in that code, the points
+    are distinct and in [1, class_size - 1], so no chunk is empty; a class with fewer samples than
+    chunks is an error.
+    """
+    if class_size < num_chunks:
+        raise DataError(
+            f"a class with {class_size} samples cannot give each of its {num_chunks} clients one: "
+            "use fewer clients"
+        )
+    cuts = np.sort(rng.choice(np.arange(1, class_size), size=num_chunks - 1, replace=False))
+    return np.diff(np.concatenate(([0], cuts, [class_size]))).astype(np.int64)
+
+
+class ClassChunkPartitioner(Partitioner):
+    """pFedVEM's partitions: each client holds a set of classes, and each class's training set is
+    cut by :func:`random_chunk_sizes` into one chunk per client that holds it.
+
+    Every training sample goes to exactly one client (the whole training set is distributed).
+    A client's test set is the *whole* test set of each class it holds, not reweighted to its
+    training mix (the authors' code evaluates a client on the full test sets of its classes), so
+    clients share test images and ``test-samples-per-client`` plays no part. Subclasses say which
+    classes a client holds (``client_classes``) and how its labels read (``relabel``). Clients
+    come in blocks of two, so ``num_partitions`` must be even.
+    """
+
+    scheme: ClassVar[str]  # the run config's ``partition`` value, for messages
+
+    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0) -> None:
+        super().__init__()
+        if num_partitions < 2 or num_partitions % 2:
+            raise DataError(
+                f"partition '{self.scheme}' puts clients in pairs: num-partitions must be even and "
+                f">= 2, got {num_partitions}"
+            )
+        if num_classes < 2 or num_classes % 2:
+            raise DataError(
+                f"partition '{self.scheme}' splits the classes in two: the dataset needs an even "
+                f"number of classes, got {num_classes}"
+            )
+        self._num_partitions = num_partitions
+        self.num_classes = num_classes
+        self.seed = seed
+        self._indices: list[np.ndarray] | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        return self._num_partitions
+
+    def client_classes(self, partition_id: int) -> tuple[int, ...]:
+        """The dataset classes ``partition_id`` holds, ascending."""
+        raise NotImplementedError
+
+    def relabel(self, partition_id: int, labels: np.ndarray) -> np.ndarray:  # pylint: disable=unused-argument
+        """The labels a client trains and is tested on, from the dataset's classes."""
+        return labels
+
+    def holders(self, class_id: int) -> list[int]:
+        """The clients that hold ``class_id``, ascending."""
+        return [pid for pid in range(self.num_partitions) if class_id in self.client_classes(pid)]
+
+    def _partition_indices(self) -> list[np.ndarray]:
+        if self._indices is None:
+            labels = np.asarray(self.dataset["label"])
+            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+                raise DataError(f"labels outside [0, {self.num_classes})")
+            per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
+            for c in range(self.num_classes):
+                rows = np.random.default_rng([self.seed, c, 4]).permutation(np.flatnonzero(labels == c))
+                holders = self.holders(c)
+                try:
+                    sizes = random_chunk_sizes(len(rows), len(holders), np.random.default_rng([self.seed, c, 5]))
+                except DataError as err:
+                    raise DataError(f"class {c}: {err}") from err
+                for pid, chunk in zip(holders, np.split(rows, np.cumsum(sizes)[:-1])):
+                    per_client[pid].append(chunk)
+            self._indices = [np.sort(np.concatenate(parts)).astype(np.int64) for parts in per_client]
+        return self._indices
+
+    def partition_rows(self, partition_id: int) -> np.ndarray:
+        """The training rows of one partition (ascending)."""
+        if not 0 <= partition_id < self.num_partitions:
+            raise ValueError(f"partition-id {partition_id} outside [0, {self.num_partitions})")
+        return self._partition_indices()[partition_id]
+
+    def test_rows(self, partition_id: int, test_labels: np.ndarray) -> np.ndarray:
+        """The client's test set: every test row of every class it holds (ascending)."""
+        return np.flatnonzero(np.isin(test_labels, self.client_classes(partition_id))).astype(np.int64)
+
+    def load_partition(self, partition_id: int) -> Dataset:
+        part = self.dataset.select(self.partition_rows(partition_id))
+        relabeled = self.relabel(partition_id, np.asarray(part["label"], dtype=np.int64))
+        return part.remove_columns("label").add_column("label", relabeled)
+
+
+class ComplementaryPairsPartitioner(ClassChunkPartitioner):
+    """pFedVEM's label-distribution skew (the CVPR code's CIFAR-10 split): clients 2b and 2b+1
+    form pair b; the pair's classes are shuffled (generator seeded from (seed, b)) and split into
+    two halves, one per client, so the two have complementary label sets. Every class is then
+    held by one client of every pair: num_partitions / 2 chunks per class.
+    """
+
+    scheme = "vem-pairs"
+
+    def client_classes(self, partition_id: int) -> tuple[int, ...]:
+        pair, member = divmod(partition_id, 2)
+        shuffled = np.random.default_rng([self.seed, 3, pair]).permutation(self.num_classes)
+        half = self.num_classes // 2
+        return tuple(sorted(int(c) for c in shuffled[member * half : (member + 1) * half]))
+
+
+class SuperLabelPartitioner(ClassChunkPartitioner):
+    """Label concept drift for 28x28 data, **our own construction** (pFedVEM's paper has none):
+    its CIFAR-100 super-class scheme with super-labels of SUPER_LABEL_SIZE (2) classes.
+
+    The task is the super-label (:func:`common.data.super_labels`: {0, 1} -> 0, {2, 3} -> 1, ...).
+    Clients 2b and 2b+1 form block b; for every super-label the block permutes its two member
+    classes (generator seeded from (seed, b)), and client 2b + i takes member i. So every client
+    holds exactly one member class of every super-label: P(y) is the same for all clients while
+    P(x | y) differs between the two clients of a block. Each class is held by num_partitions / 2
+    clients and chunked as in ``vem-pairs``.
+    """
+
+    scheme = "super-labels"
+
+    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0) -> None:
+        super().__init__(num_partitions, num_classes, seed)
+        self.num_super_labels = num_classes // SUPER_LABEL_SIZE
+
+    def members(self, block: int) -> np.ndarray:
+        """(SUPER_LABEL_SIZE, num_super_labels): row i holds block member i's class of each
+        super-label."""
+        rng = np.random.default_rng([self.seed, 6, block])
+        order = np.stack([rng.permutation(SUPER_LABEL_SIZE) for _ in range(self.num_super_labels)], axis=1)
+        return order + SUPER_LABEL_SIZE * np.arange(self.num_super_labels)
+
+    def client_classes(self, partition_id: int) -> tuple[int, ...]:
+        block, member = divmod(partition_id, SUPER_LABEL_SIZE)
+        return tuple(int(c) for c in self.members(block)[member])
+
+    def relabel(self, partition_id: int, labels: np.ndarray) -> np.ndarray:
+        return super_labels(labels)
+
+
 @dataclass(frozen=True)
 class ClientSplit:
     """Indices into the dataset's train and test pools, and labels after any relabeling."""
@@ -288,6 +441,10 @@ def build_partitioner(cfg: FedPACConfig, num_partitions: int) -> Partitioner:
         if cfg.partition == "fedpac":
             return base
         return ConceptShiftPartitioner(base, cfg.num_classes, len(base.groups), cfg.seed)
+    if cfg.partition == "vem-pairs":
+        return ComplementaryPairsPartitioner(num_partitions, dataset_classes(cfg), cfg.seed)
+    if cfg.partition == "super-labels":
+        return SuperLabelPartitioner(num_partitions, dataset_classes(cfg), cfg.seed)
     if cfg.partition == "dirichlet-min":
         return MinimumDirichletPartitioner(
             num_partitions, cfg.num_classes, cfg.dirichlet_alpha, cfg.min_train_per_class, cfg.seed
@@ -315,7 +472,9 @@ def split_clients(
     client's *original* training labels, so concept shift relabels test data the same way.
     Under a :class:`MinimumDirichletPartitioner` the whole test pool is partitioned instead, by
     the same scheme and seed with ``min_test_per_class`` of every class per client (so the
-    Dirichlet shares match the training partition's); ``test_samples_per_client`` is then unused.
+    Dirichlet shares match the training partition's); under a :class:`ClassChunkPartitioner` a
+    client's test set is the whole test set of each class it holds, relabelled as its training
+    data. ``test_samples_per_client`` is unused in both.
     """
     partitioner.dataset = _labels_dataset(data.train_labels)
     test_partitioner = None
@@ -332,7 +491,9 @@ def split_clients(
         train_indices = np.asarray(part["index"], dtype=np.int64)
         if len(train_indices) == 0:
             raise DataError(f"partition {pid} is empty: fewer samples than clients need")
-        if test_partitioner is not None:
+        if isinstance(partitioner, ClassChunkPartitioner):
+            test_indices = partitioner.test_rows(pid, data.test_labels)
+        elif test_partitioner is not None:
             try:
                 test_indices = test_partitioner.partition_rows(pid)
             except DataError as err:
@@ -345,7 +506,7 @@ def split_clients(
                 [pools.take(k, int(c)) for k, c in enumerate(counts) if c > 0]
             )
         test_labels = data.test_labels[test_indices]
-        if isinstance(partitioner, ConceptShiftPartitioner):
+        if isinstance(partitioner, (ConceptShiftPartitioner, ClassChunkPartitioner)):
             test_labels = partitioner.relabel(pid, test_labels)
         splits.append(
             ClientSplit(
@@ -360,9 +521,9 @@ def split_clients(
 
 @lru_cache(maxsize=4)
 def _cached_splits(cfg: FedPACConfig, num_partitions: int) -> tuple[ClientSplit, ...]:
-    from common.data import load_dataset  # pylint: disable=import-outside-toplevel
+    from common.data import load_source_dataset  # pylint: disable=import-outside-toplevel
 
-    data = load_dataset(cfg)
+    data = load_source_dataset(cfg)
     partitioner = build_partitioner(cfg, num_partitions)
     return tuple(
         split_clients(
