@@ -131,6 +131,12 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # training and test sets are distributed.
     min_train_per_class: int = 5
     min_test_per_class: int = 2
+    # vem-pairs and super-labels: how much of the dataset they hand out. 0: all of it (the
+    # authors' default); otherwise this many training images of every class, and this many test
+    # images of every class in a client's test set (the authors' data-scarce CIFAR-10 variant
+    # uses 500 training images per class).
+    class_train_samples: int = 0
+    class_test_samples: int = 0
     # Distributed concept drift (``common.drift``): label swaps by partition-id mod 10 from the
     # given rounds (1-based: a drift at 100 changes the labels seen from round 101 on). Empty
     # drift-rounds = the paper's: sudden 100, recurrent 100,150, incremental 100,110,120.
@@ -270,6 +276,8 @@ def _validate(cfg: FedPACConfig) -> None:
         _check(value >= 0, k(name), value, ">= 0")
     _check(cfg.cluster_weights in WEIGHTS, k("cluster_weights"), cfg.cluster_weights,
            f"one of {', '.join(WEIGHTS)}")
+    for name in ("class_train_samples", "class_test_samples"):
+        _check(getattr(cfg, name) >= 0, k(name), getattr(cfg, name), ">= 0 (0: all of the class)")
     _check(cfg.vem_protocol in SAMPLE_PROTOCOLS, k("vem_protocol"), cfg.vem_protocol,
            f"one of {', '.join(SAMPLE_PROTOCOLS)}")
     _check(0.0 < cfg.vem_sampling_rate <= 1.0, k("vem_sampling_rate"), cfg.vem_sampling_rate, "in (0, 1]")

@@ -306,7 +306,8 @@ class ClassChunkPartitioner(Partitioner):
 
     scheme: ClassVar[str]  # the run config's ``partition`` value, for messages
 
-    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0) -> None:
+    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0, train_per_class: int = 0,
+                 test_per_class: int = 0) -> None:
         super().__init__()
         if num_partitions < 2 or num_partitions % 2:
             raise DataError(
@@ -321,6 +322,8 @@ class ClassChunkPartitioner(Partitioner):
         self._num_partitions = num_partitions
         self.num_classes = num_classes
         self.seed = seed
+        # 0: all of a class; else the first this many of its (seeded) shuffle
+        self.train_per_class, self.test_per_class = train_per_class, test_per_class
         self._indices: list[np.ndarray] | None = None
 
     @property
@@ -347,6 +350,7 @@ class ClassChunkPartitioner(Partitioner):
             per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
             for c in range(self.num_classes):
                 rows = np.random.default_rng([self.seed, c, 4]).permutation(np.flatnonzero(labels == c))
+                rows = _first(rows, self.train_per_class, f"class {c} has {len(rows)} training images")
                 holders = self.holders(c)
                 try:
                     sizes = random_chunk_sizes(len(rows), len(holders), np.random.default_rng([self.seed, c, 5]))
@@ -364,13 +368,31 @@ class ClassChunkPartitioner(Partitioner):
         return self._partition_indices()[partition_id]
 
     def test_rows(self, partition_id: int, test_labels: np.ndarray) -> np.ndarray:
-        """The client's test set: every test row of every class it holds (ascending)."""
-        return np.flatnonzero(np.isin(test_labels, self.client_classes(partition_id))).astype(np.int64)
+        """The client's test set: every test row of every class it holds, or the same
+        ``test_per_class`` rows of each (a seeded shuffle, shared by all its holders); ascending."""
+        rows = []
+        for c in self.client_classes(partition_id):
+            of_class = np.flatnonzero(test_labels == c)
+            if self.test_per_class:
+                of_class = _first(np.random.default_rng([self.seed, c, 7]).permutation(of_class),
+                                  self.test_per_class, f"class {c} has {len(of_class)} test images")
+            rows.append(of_class)
+        return np.sort(np.concatenate(rows)).astype(np.int64)
 
     def load_partition(self, partition_id: int) -> Dataset:
         part = self.dataset.select(self.partition_rows(partition_id))
         relabeled = self.relabel(partition_id, np.asarray(part["label"], dtype=np.int64))
         return part.remove_columns("label").add_column("label", relabeled)
+
+
+def _first(rows: np.ndarray, count: int, what: str) -> np.ndarray:
+    """The first ``count`` of ``rows`` (all of them for 0); too few is an error."""
+    if not count:
+        return rows
+    if count > len(rows):
+        raise DataError(f"{what}, fewer than the {count} asked for: lower class-train-samples / "
+                        "class-test-samples")
+    return rows[:count]
 
 
 class ComplementaryPairsPartitioner(ClassChunkPartitioner):
@@ -403,8 +425,9 @@ class SuperLabelPartitioner(ClassChunkPartitioner):
 
     scheme = "super-labels"
 
-    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0) -> None:
-        super().__init__(num_partitions, num_classes, seed)
+    def __init__(self, num_partitions: int, num_classes: int, seed: int = 0, train_per_class: int = 0,
+                 test_per_class: int = 0) -> None:
+        super().__init__(num_partitions, num_classes, seed, train_per_class, test_per_class)
         self.num_super_labels = num_classes // SUPER_LABEL_SIZE
 
     def members(self, block: int) -> np.ndarray:
@@ -442,9 +465,11 @@ def build_partitioner(cfg: FedPACConfig, num_partitions: int) -> Partitioner:
             return base
         return ConceptShiftPartitioner(base, cfg.num_classes, len(base.groups), cfg.seed)
     if cfg.partition == "vem-pairs":
-        return ComplementaryPairsPartitioner(num_partitions, dataset_classes(cfg), cfg.seed)
+        return ComplementaryPairsPartitioner(num_partitions, dataset_classes(cfg), cfg.seed,
+                                             cfg.class_train_samples, cfg.class_test_samples)
     if cfg.partition == "super-labels":
-        return SuperLabelPartitioner(num_partitions, dataset_classes(cfg), cfg.seed)
+        return SuperLabelPartitioner(num_partitions, dataset_classes(cfg), cfg.seed,
+                                     cfg.class_train_samples, cfg.class_test_samples)
     if cfg.partition == "dirichlet-min":
         return MinimumDirichletPartitioner(
             num_partitions, cfg.num_classes, cfg.dirichlet_alpha, cfg.min_train_per_class, cfg.seed

@@ -219,3 +219,34 @@ def test_a_pfedvem_run_on_the_partition(partition, outputs, tmp_path):
     assert all(0.0 <= a <= 1.0 for a in [*last.accuracy.values(), *last.generalized.values()])
     # every client trained on its whole partition: the run's training set, once
     assert sum(m["num-examples"] for m in last.train.values()) == 3500
+
+
+# --- a share of the dataset: class-train-samples / class-test-samples ----------------------------
+
+@pytest.mark.parametrize("partition", ["vem-pairs", "super-labels"])
+def test_a_share_of_every_class_is_handed_out_the_same_way_by_every_process(partition):
+    data = _dataset()
+    cfg = parse_run_config({"partition": partition, "class-train-samples": 100, "class-test-samples": 30})
+    splits = split_clients(data, build_partitioner(cfg, 8), 50, cfg.seed)
+    train = np.concatenate([s.train_indices for s in splits])
+    assert len(np.unique(train)) == len(train) == 100 * K  # 100 of every class, each image once
+    assert (np.bincount(data.train_labels[train], minlength=K) == 100).all()
+    again = split_clients(data, build_partitioner(cfg, 8), 50, cfg.seed)
+    assert all(np.array_equal(a.train_indices, b.train_indices) and np.array_equal(a.test_indices, b.test_indices)
+               for a, b in zip(splits, again))
+    for split in splits:
+        held = _classes(data, split)
+        test_classes = data.test_labels[split.test_indices]
+        assert set(test_classes.tolist()) == held and (np.bincount(test_classes, minlength=K)[sorted(held)] == 30).all()
+    # the holders of a class are tested on the same images of it
+    holders = [s for s in splits if 0 in _classes(data, s)]
+    zero = [set(s.test_indices[data.test_labels[s.test_indices] == 0].tolist()) for s in holders]
+    assert len(holders) == 4 and all(rows == zero[0] for rows in zero)
+
+
+def test_asking_for_more_of_a_class_than_it_has_is_refused():
+    cfg = parse_run_config({"partition": "vem-pairs", "class-train-samples": 560})  # class 5 has 542
+    with pytest.raises(DataError, match="class 5 has 542 training images, fewer than the 560"):
+        split_clients(_dataset(), build_partitioner(cfg, 8), 50, cfg.seed)
+    with pytest.raises(ConfigError, match="class-test-samples"):
+        parse_run_config({"class-test-samples": -1})
