@@ -27,6 +27,7 @@ from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-posit
 from common.config import parse_drift_rounds  # noqa: E402  pylint: disable=wrong-import-position
 from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
 from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
+from common.protocol import RHO  # noqa: E402  pylint: disable=wrong-import-position
 
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
@@ -231,7 +232,8 @@ class RunReport:
 
     def write(self) -> None:
         """Rewrite metrics.json, rounds.csv, clients.csv, accuracy.png, and alpha.png (mixed
-        heads) or clusters.csv and clusters.png (clustered heads)."""
+        heads), clusters.csv and clusters.png (clustered heads) or confidence.png (pFedVEM's
+        confidences)."""
         records = [
             {**asdict(r), "mean_accuracy": r.mean_accuracy,
              **({"mean_generalized_accuracy": r.mean_generalized_accuracy} if r.generalized else {}),
@@ -253,6 +255,8 @@ class RunReport:
             self._chart(lambda path: self.plot_alpha(latest, path), self.directory / "alpha.png")
         if clustered:
             self._chart(self.plot_clusters, self.directory / "clusters.png")
+        if any(RHO in m for r in self.rounds for m in r.train.values()):
+            self._chart(self.plot_confidence, self.directory / "confidence.png")
 
     @staticmethod
     def _chart(plot: Callable[[Path], None], path: Path) -> None:
@@ -306,6 +310,28 @@ class RunReport:
         ax.set_title(f"{self.config.get('strategy', '')}: clusters per class")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="upper left")
+        self._save(fig, path)
+
+    def plot_confidence(self, path: Path) -> None:
+        """Each client's confidence 1/rho^2 over the rounds (pFedVEM: its weight in the prior
+        mean), log scale, with the median over the clients."""
+        series: dict[int, list[tuple[int, float]]] = {}
+        for r in self.rounds:
+            for pid, metrics in r.train.items():
+                if RHO in metrics and metrics[RHO] > 0:
+                    series.setdefault(pid, []).append((r.round, 1.0 / metrics[RHO] ** 2))
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for points in series.values():
+            ax.plot(*zip(*points), linewidth=0.8, alpha=0.5)
+        rounds = sorted({r for points in series.values() for r, _ in points})
+        median = [float(np.median([c for points in series.values() for r, c in points if r == t])) for t in rounds]
+        ax.plot(rounds, median, color="black", linewidth=2, label=f"median of {len(series)} clients")
+        ax.set_yscale("log")
+        ax.set_xlabel("round")
+        ax.set_ylabel("confidence 1 / rho^2")
+        ax.set_title(f"{self.config.get('strategy', '')}: client confidences")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="best")
         self._save(fig, path)
 
     def plot_alpha(self, record: RoundRecord, path: Path) -> None:

@@ -250,6 +250,19 @@ def test_round_outputs_checkpoint_first_then_tables_then_charts(tmp_path, monkey
     assert set(written[4:]) == {"accuracy.png", "alpha.png"}
 
 
+def test_confidences_are_charted_only_for_methods_that_report_them(tmp_path):
+    report = _report(tmp_path)
+    for number in (1, 2):
+        record = _record(number)
+        record.train = {pid: {"train-loss": 0.5, "num-examples": 6.0, "rho": 0.1 * (pid + number)} for pid in (0, 1)}
+        write_round_outputs(report, record, _checkpoint([*report.rounds, record]))
+    assert (tmp_path / "confidence.png").read_bytes().startswith(b"\x89PNG")
+    other = tmp_path / "fedpac"
+    other.mkdir()
+    _end_round(_report(other), 1)
+    assert not (other / "confidence.png").exists()
+
+
 def test_metrics_json_stays_standard_json_when_a_client_reports_nan(tmp_path):
     report = _report(tmp_path)
     record = _record(1)
