@@ -314,7 +314,7 @@ class RunReport:
 
     def plot_confidence(self, path: Path) -> None:
         """Each client's confidence 1/rho^2 over the rounds (pFedVEM: its weight in the prior
-        mean), log scale, with the median over the clients."""
+        mean), with the median over the clients; log scale when they span more than a decade."""
         series: dict[int, list[tuple[int, float]]] = {}
         for r in self.rounds:
             for pid, metrics in r.train.items():
@@ -326,7 +326,9 @@ class RunReport:
         rounds = sorted({r for points in series.values() for r, _ in points})
         median = [float(np.median([c for points in series.values() for r, c in points if r == t])) for t in rounds]
         ax.plot(rounds, median, color="black", linewidth=2, label=f"median of {len(series)} clients")
-        ax.set_yscale("log")
+        values = [c for points in series.values() for _, c in points]
+        if values and max(values) > 10 * min(values):  # a log scale only where it spans decades
+            ax.set_yscale("log")
         ax.set_xlabel("round")
         ax.set_ylabel("confidence 1 / rho^2")
         ax.set_title(f"{self.config.get('strategy', '')}: client confidences")
