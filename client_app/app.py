@@ -92,9 +92,13 @@ def current_concept(y: torch.Tensor, cfg: FedPACConfig, partition_id: int, serve
 
 def generalized_due(cfg: FedPACConfig, server_round: int) -> bool:
     """Whether this round measures the generalized accuracy: every ``generalized-every`` rounds
-    and at the last one."""
+    and at the last one, or, with ``generalized-every = 0``, at the last round of a run with
+    drift only (every client on the whole test set: 20 s of a 20-client simulation on 2 cores,
+    for a number a run without drift does not need)."""
     every = cfg.generalized_every
-    return server_round == cfg.num_server_rounds or bool(every and server_round % every == 0)
+    if every:
+        return server_round == cfg.num_server_rounds or server_round % every == 0
+    return server_round == cfg.num_server_rounds and Drift.from_config(cfg).pattern != "none"
 
 
 def _model_from(state: p.NDArrays, cfg: FedPACConfig, device: torch.device) -> FedPACNet:

@@ -164,3 +164,15 @@ def test_label_map_is_stateless():
     mapping = label_map(3, 3, drift, K)
     mapping[:] = 0  # a caller mutating its copy changes nothing for the next call
     np.testing.assert_array_equal(label_map(3, 3, drift, K), _swapped(3, 4))
+
+
+def test_the_generalized_accuracy_is_measured_when_asked_for_or_under_drift():
+    from client_app.app import generalized_due  # pylint: disable=import-outside-toplevel
+
+    def due(config: dict) -> list[bool]:
+        cfg = parse_run_config({"num-server-rounds": 5, **config})
+        return [generalized_due(cfg, r) for r in range(1, 6)]
+
+    assert due({}) == [False] * 5  # no drift, not asked: the whole test set is never evaluated
+    assert due({"drift": "sudden", "drift-rounds": "2"}) == [False, False, False, False, True]
+    assert due({"generalized-every": 2}) == [False, True, False, True, True]

@@ -211,6 +211,7 @@ def test_a_pfedvem_run_on_the_partition(partition, outputs, tmp_path):
     config = {
         "strategy": "pfedvem", "partition": partition, "num-server-rounds": 1, "local-epochs": 1,
         "vem-head-steps": 2, "vem-mc-samples": 2, "vem-batch-size": 100, "output-dir": str(tmp_path),
+        "generalized-every": 1,
     }
     strategy, report = run_fedpac(InProcessGrid(config, 4, seed=1), parse_run_config(config), 1)
     assert all(head["head.weight"].shape == (outputs, 128) for head in strategy.heads.values())
