@@ -13,6 +13,7 @@ client's test set is the whole test set of each class it holds, as in the author
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
@@ -182,7 +183,54 @@ class ConceptShiftPartitioner(Partitioner):
         return part.remove_columns("label").add_column("label", relabeled)
 
 
-class MinimumDirichletPartitioner(Partitioner):
+class ClassWisePartitioner(Partitioner):
+    """A partition dealt out class by class: each class's rows are shuffled (generator seeded
+    from (seed, class, ``SHUFFLE``)) and :meth:`deal` says which client gets which of them. All
+    clients' rows are computed once and cached; every row goes to at most one client."""
+
+    SHUFFLE: ClassVar[int]  # the shuffle generator's stream, one per scheme
+
+    def __init__(self, num_partitions: int, num_classes: int, seed: int) -> None:
+        super().__init__()
+        self._num_partitions = num_partitions
+        self.num_classes = num_classes
+        self.seed = seed
+        self._indices: list[np.ndarray] | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        return self._num_partitions
+
+    def deal(self, class_id: int, rows: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
+        """(partition-id, rows) for the shuffled ``rows`` of ``class_id``."""
+        raise NotImplementedError
+
+    def _partition_indices(self) -> list[np.ndarray]:
+        if self._indices is None:
+            labels = np.asarray(self.dataset["label"])
+            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+                raise DataError(f"labels outside [0, {self.num_classes})")
+            per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
+            for c in range(self.num_classes):
+                rows = np.random.default_rng([self.seed, c, self.SHUFFLE]).permutation(np.flatnonzero(labels == c))
+                for pid, chunk in self.deal(c, rows):
+                    per_client[pid].append(chunk)
+            self._indices = [
+                np.sort(np.concatenate(parts)).astype(np.int64) for parts in per_client
+            ]
+        return self._indices
+
+    def partition_rows(self, partition_id: int) -> np.ndarray:
+        """The dataset rows of one partition (ascending)."""
+        if not 0 <= partition_id < self.num_partitions:
+            raise ValueError(f"partition-id {partition_id} outside [0, {self.num_partitions})")
+        return self._partition_indices()[partition_id]
+
+    def load_partition(self, partition_id: int) -> Dataset:
+        return self.dataset.select(self.partition_rows(partition_id))
+
+
+class MinimumDirichletPartitioner(ClassWisePartitioner):
     """FedCCFA's partition (``utils/gen_dataset.py``): a minimum of every class, then Dirichlet.
 
     For each class c, the class's indices are shuffled (generator seeded from (seed, c)); the
@@ -206,23 +254,15 @@ class MinimumDirichletPartitioner(Partitioner):
         min_per_class: int = 5,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
         if not alpha > 0:
             raise ValueError(f"the Dirichlet alpha must be > 0, got {alpha}")
         if min_per_class < 0:
             raise ValueError(f"min_per_class must be >= 0, got {min_per_class}")
-        self._num_partitions = num_partitions
-        self.num_classes = num_classes
+        super().__init__(num_partitions, num_classes, seed)
         self.alpha = alpha
         self.min_per_class = min_per_class
-        self.seed = seed
-        self._indices: list[np.ndarray] | None = None
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
 
     def class_proportions(self, class_id: int) -> np.ndarray:
         """The Dirichlet(alpha) shares of the clients in the remainder of ``class_id``."""
@@ -241,36 +281,16 @@ class MinimumDirichletPartitioner(Partitioner):
         rest = proportional_counts(self.class_proportions(class_id), class_size - minimum)
         return rest + self.min_per_class
 
-    def _partition_indices(self) -> list[np.ndarray]:
-        if self._indices is None:
-            labels = np.asarray(self.dataset["label"])
-            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-                raise DataError(f"labels outside [0, {self.num_classes})")
-            per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
-            for c in range(self.num_classes):
-                rows = np.random.default_rng([self.seed, c, 0]).permutation(
-                    np.flatnonzero(labels == c)
-                )
-                counts = self.class_counts(c, len(rows))
-                # the minimum first, evenly, then each client's share of the rest
-                head, tail = np.split(rows, [self.min_per_class * self.num_partitions])
-                mins = head.reshape(self.num_partitions, self.min_per_class)
-                rest = np.split(tail, np.cumsum(counts - self.min_per_class)[:-1])
-                for pid in range(self.num_partitions):
-                    per_client[pid].extend((mins[pid], rest[pid]))
-            self._indices = [
-                np.sort(np.concatenate(parts)).astype(np.int64) for parts in per_client
-            ]
-        return self._indices
+    SHUFFLE = 0
 
-    def partition_rows(self, partition_id: int) -> np.ndarray:
-        """The dataset rows of one partition (ascending)."""
-        if not 0 <= partition_id < self.num_partitions:
-            raise ValueError(f"partition-id {partition_id} outside [0, {self.num_partitions})")
-        return self._partition_indices()[partition_id]
-
-    def load_partition(self, partition_id: int) -> Dataset:
-        return self.dataset.select(self.partition_rows(partition_id))
+    def deal(self, class_id: int, rows: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
+        counts = self.class_counts(class_id, len(rows))
+        # the minimum first, evenly, then each client's share of the rest
+        head, tail = np.split(rows, [self.min_per_class * self.num_partitions])
+        mins = head.reshape(self.num_partitions, self.min_per_class)
+        rest = np.split(tail, np.cumsum(counts - self.min_per_class)[:-1])
+        for pid in range(self.num_partitions):
+            yield pid, np.concatenate((mins[pid], rest[pid]))
 
 
 def random_chunk_sizes(class_size: int, num_chunks: int, rng: np.random.Generator) -> np.ndarray:
@@ -292,23 +312,25 @@ def random_chunk_sizes(class_size: int, num_chunks: int, rng: np.random.Generato
     return np.diff(np.concatenate(([0], cuts, [class_size]))).astype(np.int64)
 
 
-class ClassChunkPartitioner(Partitioner):
+class ClassChunkPartitioner(ClassWisePartitioner):
     """pFedVEM's partitions: each client holds a set of classes, and each class's training set is
     cut by :func:`random_chunk_sizes` into one chunk per client that holds it.
 
-    Every training sample goes to exactly one client (the whole training set is distributed).
-    A client's test set is the *whole* test set of each class it holds, not reweighted to its
-    training mix (the authors' code evaluates a client on the full test sets of its classes), so
-    clients share test images and ``test-samples-per-client`` plays no part. Subclasses say which
+    Every training sample goes to exactly one client: the whole training set, or the first
+    ``train_per_class`` of every class's shuffle. A client's test set is the whole test set of
+    each class it holds (or the same ``test_per_class`` of it for all its holders), not
+    reweighted to its training mix (the authors' code evaluates a client on the full test sets of
+    its classes), so clients share test images and ``test-samples-per-client`` plays no part. Subclasses say which
     classes a client holds (``client_classes``) and how its labels read (``relabel``). Clients
     come in blocks of two, so ``num_partitions`` must be even.
     """
 
     scheme: ClassVar[str]  # the run config's ``partition`` value, for messages
 
+    SHUFFLE = 4
+
     def __init__(self, num_partitions: int, num_classes: int, seed: int = 0, train_per_class: int = 0,
                  test_per_class: int = 0) -> None:
-        super().__init__()
         if num_partitions < 2 or num_partitions % 2:
             raise DataError(
                 f"partition '{self.scheme}' puts clients in pairs: num-partitions must be even and "
@@ -319,16 +341,9 @@ class ClassChunkPartitioner(Partitioner):
                 f"partition '{self.scheme}' splits the classes in two: the dataset needs an even "
                 f"number of classes, got {num_classes}"
             )
-        self._num_partitions = num_partitions
-        self.num_classes = num_classes
-        self.seed = seed
+        super().__init__(num_partitions, num_classes, seed)
         # 0: all of a class; else the first this many of its (seeded) shuffle
         self.train_per_class, self.test_per_class = train_per_class, test_per_class
-        self._indices: list[np.ndarray] | None = None
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
 
     def client_classes(self, partition_id: int) -> tuple[int, ...]:
         """The dataset classes ``partition_id`` holds, ascending."""
@@ -342,30 +357,14 @@ class ClassChunkPartitioner(Partitioner):
         """The clients that hold ``class_id``, ascending."""
         return [pid for pid in range(self.num_partitions) if class_id in self.client_classes(pid)]
 
-    def _partition_indices(self) -> list[np.ndarray]:
-        if self._indices is None:
-            labels = np.asarray(self.dataset["label"])
-            if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-                raise DataError(f"labels outside [0, {self.num_classes})")
-            per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
-            for c in range(self.num_classes):
-                rows = np.random.default_rng([self.seed, c, 4]).permutation(np.flatnonzero(labels == c))
-                rows = _first(rows, self.train_per_class, f"class {c} has {len(rows)} training images")
-                holders = self.holders(c)
-                try:
-                    sizes = random_chunk_sizes(len(rows), len(holders), np.random.default_rng([self.seed, c, 5]))
-                except DataError as err:
-                    raise DataError(f"class {c}: {err}") from err
-                for pid, chunk in zip(holders, np.split(rows, np.cumsum(sizes)[:-1])):
-                    per_client[pid].append(chunk)
-            self._indices = [np.sort(np.concatenate(parts)).astype(np.int64) for parts in per_client]
-        return self._indices
-
-    def partition_rows(self, partition_id: int) -> np.ndarray:
-        """The training rows of one partition (ascending)."""
-        if not 0 <= partition_id < self.num_partitions:
-            raise ValueError(f"partition-id {partition_id} outside [0, {self.num_partitions})")
-        return self._partition_indices()[partition_id]
+    def deal(self, class_id: int, rows: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
+        rows = _first(rows, self.train_per_class, f"class {class_id} has {len(rows)} training images")
+        holders = self.holders(class_id)
+        try:
+            sizes = random_chunk_sizes(len(rows), len(holders), np.random.default_rng([self.seed, class_id, 5]))
+        except DataError as err:
+            raise DataError(f"class {class_id}: {err}") from err
+        return zip(holders, np.split(rows, np.cumsum(sizes)[:-1]))
 
     def test_rows(self, partition_id: int, test_labels: np.ndarray) -> np.ndarray:
         """The client's test set: every test row of every class it holds, or the same
