@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from common.config import parse_run_config
-from common.data import DataError, ImageDataset
+from common.data import DataError
 from common.partition import (
     ConceptShiftPartitioner,
     FedPACPartitioner,
@@ -15,22 +15,13 @@ from common.partition import (
     dominant_class_groups,
     split_clients,
 )
+from synthetic import labelled_dataset
 
 K = 10
 
 
 def _dataset(train_per_class=300, test_per_class=100):
-    train_labels = np.repeat(np.arange(K), train_per_class)
-    test_labels = np.repeat(np.arange(K), test_per_class)
-    # encode the index in the pixels so tests can check which images a client got
-    return ImageDataset(
-        name="synthetic",
-        train_images=np.zeros((len(train_labels), 28, 28, 1), dtype=np.uint8),
-        train_labels=train_labels,
-        test_images=np.zeros((len(test_labels), 28, 28, 1), dtype=np.uint8),
-        test_labels=test_labels,
-        num_classes=K,
-    )
+    return labelled_dataset(np.repeat(np.arange(K), train_per_class), np.repeat(np.arange(K), test_per_class), K)
 
 
 def test_paper_groups_for_ten_classes():
@@ -171,14 +162,7 @@ def test_min_dirichlet_too_few_samples_of_a_class_is_a_clear_error():
 def _min_dirichlet_dataset(train_per_class=250, test_per_class=60):
     train_labels = _uneven_labels(tuple(train_per_class + 10 * k for k in range(K)), seed=1)
     test_labels = _uneven_labels(tuple(test_per_class + 3 * k for k in range(K)), seed=2)
-    return ImageDataset(
-        name="synthetic",
-        train_images=np.zeros((len(train_labels), 1, 1, 1), dtype=np.uint8),
-        train_labels=train_labels,
-        test_images=np.zeros((len(test_labels), 1, 1, 1), dtype=np.uint8),
-        test_labels=test_labels,
-        num_classes=K,
-    )
+    return labelled_dataset(train_labels, test_labels, K, image_shape=(1, 1, 1))
 
 
 def test_dirichlet_min_splits_train_and_test_pools_with_matching_mixes():

@@ -13,7 +13,7 @@ import pytest
 
 from common import data as data_module
 from common.config import ConfigError, dataset_classes, parse_run_config
-from common.data import DataError, ImageDataset, load_dataset, load_source_dataset, super_labels
+from common.data import DataError, load_dataset, load_source_dataset, super_labels
 from common.partition import (
     ComplementaryPairsPartitioner,
     SuperLabelPartitioner,
@@ -22,6 +22,7 @@ from common.partition import (
     split_clients,
 )
 from federation import InProcessGrid
+from synthetic import labelled_dataset
 from server_app.app import run_fedpac
 
 K = 10
@@ -32,14 +33,7 @@ MNIST_LIKE = (592, 674, 596, 613, 584, 542, 592, 627, 585, 595)
 def _dataset(train_per_class=MNIST_LIKE, test_per_class=(98, 113, 103, 101, 98, 89, 96, 103, 97, 101)):
     train_labels = np.random.default_rng(0).permutation(np.repeat(np.arange(K), train_per_class))
     test_labels = np.random.default_rng(1).permutation(np.repeat(np.arange(K), test_per_class))
-    return ImageDataset(
-        name="mnist-like",
-        train_images=np.zeros((len(train_labels), 28, 28, 1), dtype=np.uint8),
-        train_labels=train_labels,
-        test_images=np.zeros((len(test_labels), 28, 28, 1), dtype=np.uint8),
-        test_labels=test_labels,
-        num_classes=K,
-    )
+    return labelled_dataset(train_labels, test_labels, K, name="mnist-like")
 
 
 def _splits(partition, clients=8, seed=0, data=None):
