@@ -315,18 +315,19 @@ class RunReport:
     def plot_confidence(self, path: Path) -> None:
         """Each client's confidence 1/rho^2 over the rounds (pFedVEM: its weight in the prior
         mean), with the median over the clients; log scale when they span more than a decade."""
+        per_round = [(r.round, {pid: 1.0 / m[RHO] ** 2 for pid, m in r.train.items() if RHO in m and m[RHO] > 0})
+                     for r in self.rounds]
+        per_round = [(t, confidences) for t, confidences in per_round if confidences]
         series: dict[int, list[tuple[int, float]]] = {}
-        for r in self.rounds:
-            for pid, metrics in r.train.items():
-                if RHO in metrics and metrics[RHO] > 0:
-                    series.setdefault(pid, []).append((r.round, 1.0 / metrics[RHO] ** 2))
+        for t, confidences in per_round:
+            for pid, confidence in confidences.items():
+                series.setdefault(pid, []).append((t, confidence))
         fig, ax = plt.subplots(figsize=(6, 4))
         for points in series.values():
             ax.plot(*zip(*points), linewidth=0.8, alpha=0.5)
-        rounds = sorted({r for points in series.values() for r, _ in points})
-        median = [float(np.median([c for points in series.values() for r, c in points if r == t])) for t in rounds]
-        ax.plot(rounds, median, color="black", linewidth=2, label=f"median of {len(series)} clients")
-        values = [c for points in series.values() for _, c in points]
+        ax.plot([t for t, _ in per_round], [float(np.median(list(c.values()))) for _, c in per_round],
+                color="black", linewidth=2, label=f"median of {len(series)} clients")
+        values = [v for _, confidences in per_round for v in confidences.values()]
         if values and max(values) > 10 * min(values):  # a log scale only where it spans decades
             ax.set_yscale("log")
         ax.set_xlabel("round")
