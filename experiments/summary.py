@@ -29,19 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
-from matplotlib.ticker import MaxNLocator  # noqa: E402  pylint: disable=wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
-
-from common.config import ConfigError, parse_run_config  # noqa: E402  pylint: disable=wrong-import-position
-from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
-from common.methods import METHODS  # noqa: E402  pylint: disable=wrong-import-position
-from experiments.grid import Cell, Experiment, Setting, same_computation  # noqa: E402  pylint: disable=wrong-import-position
-from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
-from server_app.report import plot_alpha, save_figure  # noqa: E402  pylint: disable=wrong-import-position
+from common.config import ConfigError, parse_run_config
+from common.drift import Drift
+from common.methods import METHODS
+from experiments.grid import Cell, Experiment, Setting, same_computation
+from common.files import atomic_write
+from server_app.report import plot_alpha, save_figure
 
 SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
 # A generalized experiment's summary.csv: the final personalized accuracy next to it.
@@ -306,7 +303,8 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     count = len(experiment.settings)
     columns = min(count, 3)
     rows = math.ceil(count / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.9 * rows), squeeze=False)
+    fig = Figure(figsize=(5.2 * columns, 3.9 * rows))
+    axes = fig.subplots(rows, columns, squeeze=False)
     for ax, setting in zip(axes.flat, experiment.settings):
         for method in experiment.methods:
             curve = seed_curves(experiment, results, setting, method)

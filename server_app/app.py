@@ -70,9 +70,10 @@ def save_final_state(strategy: FedPAC, path: Path) -> None:
 def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Checkpoint) -> None:
     """A finished round's outputs, most important first: the checkpoint (``checkpoint.rounds``
     ends with ``record``), then the tables (metrics.json, rounds.csv, clients.csv), then the
-    charts. A failed checkpoint or table write (a full disk, say) stops the run with an OSError
-    naming the file; the checkpoint is then never behind the tables, so a run resumed from it
-    has every round the tables show. A failed chart is only a warning (``RunReport.write``).
+    charts, drawn in the background while the next round trains. A failed checkpoint or table
+    write (a full disk, say) stops the run with an OSError naming the file; the checkpoint is
+    then never behind the tables, so a run resumed from it has every round the tables show. A
+    failed chart is only a warning (``RunReport.paint``).
     """
     save_checkpoint(checkpoint, report.directory)
     report.add(record)
@@ -221,11 +222,13 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             strategy.extractor = extractor
         save_final_state(strategy, directory / "final_state.npz")
     except BaseException as err:
+        report.close()
         completed = report.rounds[-1].round if report.rounds else strategy.round_offset
         report.write_status("failed", completed, resume, f"{type(err).__name__}: {err}")
         log(ERROR, "Run stopped after round %d of %d: %s. Continue with: %s", completed,
             cfg.num_server_rounds, err, resume)
         raise
+    report.close()  # the charts show the last round before the run says it finished
     report.write_status("finished", cfg.num_server_rounds, resume)
     return strategy, report
 

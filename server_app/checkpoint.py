@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from common import protocol as p
 from common.files import atomic_write, npz_bytes
-from server_app.report import RoundRecord
+from server_app.report import RoundRecord, record_fields
 
 FILE_NAME = "checkpoint.npz"
 FORMAT_VERSION = 1
@@ -81,7 +81,7 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
         "seed": checkpoint.seed,
         "strategy": checkpoint.strategy,
         "config": checkpoint.config,
-        "rounds": [asdict(r) for r in checkpoint.rounds],
+        "rounds": [record_fields(r) for r in checkpoint.rounds],
     }
     arrays["meta"] = np.array(json.dumps(meta))
     path = directory / FILE_NAME

@@ -4,6 +4,12 @@ Everything is rewritten atomically (temp file, then rename) after every round, s
 stops early still leaves complete, readable files for the rounds it finished. Tables come
 before charts, and a chart that cannot be written (a full disk, say) is a logged warning: a
 plot is never worth a run.
+
+Both stay off the rounds' critical path as runs grow: a round's share of each table is
+serialized once, when the round is added (a finished round never changes), so rewriting the
+tables costs a join over the history, not a re-serialization of it; and the charts are drawn by
+a background thread (:class:`ChartPainter`) while the next round trains, the newest history
+replacing one not yet drawn. :meth:`RunReport.close` waits for the last charts.
 """
 
 from __future__ import annotations
@@ -11,23 +17,21 @@ from __future__ import annotations
 import csv
 import io
 import json
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
 from logging import INFO, WARNING
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from flwr.supercore import log
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # headless: servers and containers have no display
-import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
-from flwr.supercore import log  # noqa: E402  pylint: disable=wrong-import-position
-
-from common.config import parse_drift_rounds  # noqa: E402  pylint: disable=wrong-import-position
-from common.drift import Drift  # noqa: E402  pylint: disable=wrong-import-position
-from common.files import atomic_write  # noqa: E402  pylint: disable=wrong-import-position
-from common.protocol import RHO  # noqa: E402  pylint: disable=wrong-import-position
+from common.config import parse_drift_rounds
+from common.drift import Drift
+from common.files import atomic_write
+from common.protocol import RHO
 
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
@@ -118,6 +122,71 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
         return sum(status.startswith("fallback") for status in self.solver_status)
 
 
+def record_fields(record: RoundRecord) -> dict:
+    """``record``'s fields as a dict for JSON, sharing its values: ``dataclasses.asdict``
+    deep-copies every nested dict, 400 times slower on a long run's history, for nothing."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+@dataclass(frozen=True)
+class RoundTables:
+    """One finished round's share of each output table, serialized once."""
+
+    record: RoundRecord
+    metrics: str  # its entry in metrics.json's "rounds"
+    round_row: str  # its line of rounds.csv
+    client_rows: str  # its lines of clients.csv
+    cluster_rows: str  # its lines of clusters.csv
+
+
+class ChartPainter:
+    """Draws a run's charts in a background thread, off the rounds' critical path.
+
+    :meth:`submit` hands over the newest history and returns at once; a history not yet drawn
+    when a newer one arrives is dropped (the newer one shows all it would have). :meth:`close`
+    waits for the newest and ends the thread (a later :meth:`submit` starts another). The thread
+    is a daemon: a server that dies does not wait for a chart.
+    """
+
+    def __init__(self, paint: Callable[[list[RoundRecord]], None]) -> None:
+        self._paint = paint
+        self._ready = threading.Condition()
+        self._next: list[RoundRecord] | None = None
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, rounds: list[RoundRecord]) -> None:
+        with self._ready:
+            self._next = rounds
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="chart-painter", daemon=True)
+                self._thread.start()
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Return once the newest submitted history is drawn, with the thread ended."""
+        with self._ready:
+            thread, self._thread = self._thread, None
+            self._ready.notify_all()
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        while (rounds := self._take()) is not None:
+            try:
+                self._paint(rounds)
+            except Exception as err:  # pylint: disable=broad-exception-caught  # the next history may draw
+                log(WARNING, "could not draw the charts, the run goes on: %s", err)
+
+    def _take(self) -> list[RoundRecord] | None:
+        """Wait for a history to draw and take it; None once closed with nothing left to draw."""
+        with self._ready:
+            while self._next is None and self._thread is threading.current_thread():
+                self._ready.wait()
+            rounds, self._next = self._next, None
+            return rounds
+
+
 class RunReport:
     """Collects :class:`RoundRecord` s and keeps the output directory up to date."""
 
@@ -127,6 +196,8 @@ class RunReport:
         self.group_of = group_of
         self.config = config
         self.rounds: list[RoundRecord] = []
+        self._tables: list[RoundTables] = []
+        self._painter = ChartPainter(self.paint)
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
 
@@ -145,10 +216,14 @@ class RunReport:
         atomic_write(self.directory / "status.json", json.dumps(status, indent=2).encode())
 
     def add(self, record: RoundRecord) -> None:
-        """Log the round's line and rewrite every output file."""
+        """Log the finished round's line and rewrite every output file."""
         self.rounds.append(record)
         log(INFO, "%s", self.round_line(record))
         self.write()
+
+    def close(self) -> None:
+        """Wait until the charts show every round added."""
+        self._painter.close()
 
     def round_line(self, record: RoundRecord) -> str:
         acc = list(record.accuracy.values())
@@ -169,94 +244,121 @@ class RunReport:
 
     # ------------------------------------------------------------------ tables
 
-    def client_rows(self) -> list[dict]:
-        rows = []
-        for r in self.rounds:
-            status = dict(zip(r.alpha_partitions, r.solver_status))
-            for pid in sorted(set(r.accuracy) | set(r.train)):
-                train = r.train.get(pid, {})
-                rows.append({
-                    "round": r.round, "partition_id": pid, "group": self.group_of(pid),
-                    "trained": int(pid in r.train), "accuracy": r.accuracy.get(pid, ""),
-                    "generalized_accuracy": r.generalized.get(pid, ""),
-                    "test_loss": r.test_loss.get(pid, ""),
-                    "num_examples": int(train["num-examples"]) if train else "",
-                    "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
-                    "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
-                    "align_weight": train.get("align-weight", ""),
-                    "train_seconds": train.get("train-seconds", ""),
-                    "eval_seconds": r.eval_seconds.get(pid, ""),
-                    "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
-                    "solver_status": status.get(pid, ""),
-                    "local_accuracy": train.get("local-accuracy", ""), "rho": train.get("rho", ""),
-                    "aggregated": int(pid in r.aggregated) if r.sampled and train else "",
-                })
-        return rows
+    def metrics_entry(self, r: RoundRecord) -> dict:
+        return {
+            **record_fields(r), "mean_accuracy": r.mean_accuracy,
+            **({"mean_generalized_accuracy": r.mean_generalized_accuracy} if r.generalized else {}),
+            **({"mean_local_accuracy": r.mean_local_accuracy} if np.isfinite(r.mean_local_accuracy) else {}),
+            "group": {pid: self.group_of(pid) for pid in sorted(set(r.accuracy) | set(r.train))},
+        }
 
-    def round_rows(self) -> list[dict]:
+    def client_rows(self, r: RoundRecord) -> list[dict]:
+        status = dict(zip(r.alpha_partitions, r.solver_status))
         rows = []
-        for r in self.rounds:
-            acc = list(r.accuracy.values())
+        for pid in sorted(set(r.accuracy) | set(r.train)):
+            train = r.train.get(pid, {})
             rows.append({
-                "round": r.round, "mean_accuracy": r.mean_accuracy,
-                "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
-                "mean_generalized_accuracy": r.mean_generalized_accuracy if r.generalized else "",
-                "num_evaluated": len(acc), "num_trained": len(r.train),
-                "mean_train_loss": r.mean_train_loss if r.train else "",
-                "qp_fallbacks": r.qp_fallbacks,
-                "centroid_classes": r.centroid_classes,
-                "mean_clusters_per_class": float(np.mean(r.clusters_per_class)) if r.clusters else "",
-                "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
-                "seconds": r.seconds,
-                "mean_local_accuracy": r.mean_local_accuracy if np.isfinite(r.mean_local_accuracy) else "",
-                "num_aggregated": len(r.aggregated) if r.sampled else "",
-                "num_rejected": r.rejected,
+                "round": r.round, "partition_id": pid, "group": self.group_of(pid),
+                "trained": int(pid in r.train), "accuracy": r.accuracy.get(pid, ""),
+                "generalized_accuracy": r.generalized.get(pid, ""),
+                "test_loss": r.test_loss.get(pid, ""),
+                "num_examples": int(train["num-examples"]) if train else "",
+                "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
+                "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
+                "align_weight": train.get("align-weight", ""),
+                "train_seconds": train.get("train-seconds", ""),
+                "eval_seconds": r.eval_seconds.get(pid, ""),
+                "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
+                "solver_status": status.get(pid, ""),
+                "local_accuracy": train.get("local-accuracy", ""), "rho": train.get("rho", ""),
+                "aggregated": int(pid in r.aggregated) if r.sampled and train else "",
             })
         return rows
 
-    def cluster_rows(self) -> list[dict]:
+    @staticmethod
+    def round_row(r: RoundRecord) -> dict:
+        acc = list(r.accuracy.values())
+        return {
+            "round": r.round, "mean_accuracy": r.mean_accuracy,
+            "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
+            "mean_generalized_accuracy": r.mean_generalized_accuracy if r.generalized else "",
+            "num_evaluated": len(acc), "num_trained": len(r.train),
+            "mean_train_loss": r.mean_train_loss if r.train else "",
+            "qp_fallbacks": r.qp_fallbacks,
+            "centroid_classes": r.centroid_classes,
+            "mean_clusters_per_class": float(np.mean(r.clusters_per_class)) if r.clusters else "",
+            "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
+            "seconds": r.seconds,
+            "mean_local_accuracy": r.mean_local_accuracy if np.isfinite(r.mean_local_accuracy) else "",
+            "num_aggregated": len(r.aggregated) if r.sampled else "",
+            "num_rejected": r.rejected,
+        }
+
+    @staticmethod
+    def cluster_rows(r: RoundRecord) -> list[dict]:
         return [
             {"round": r.round, "class": c, "partition_id": pid, "cluster": label}
-            for r in self.rounds
             for c, labels in enumerate(r.clusters)
             for pid, label in zip(r.cluster_partitions, labels)
         ]
 
     @staticmethod
-    def _csv(rows: list[dict], columns: tuple[str, ...]) -> bytes:
+    def _csv(rows: list[dict], columns: tuple[str, ...], header: bool = False) -> str:
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns)
-        writer.writeheader()
+        if header:
+            writer.writeheader()
         writer.writerows(rows)
-        return buffer.getvalue().encode()
+        return buffer.getvalue()
+
+    def tables_of(self, r: RoundRecord) -> RoundTables:
+        return RoundTables(
+            record=r,
+            metrics=json.dumps(finite_json(self.metrics_entry(r)), separators=(",", ":"), allow_nan=False),
+            round_row=self._csv([self.round_row(r)], ROUND_COLUMNS),
+            client_rows=self._csv(self.client_rows(r), CLIENT_COLUMNS),
+            cluster_rows=self._csv(self.cluster_rows(r), CLUSTER_COLUMNS),
+        )
+
+    def _round_tables(self) -> list[RoundTables]:
+        """Every round's tables, serializing only the rounds not serialized before (``rounds``
+        may also have been replaced, by a resume)."""
+        fresh = [
+            cached if i < len(self._tables) and (cached := self._tables[i]).record is r else self.tables_of(r)
+            for i, r in enumerate(self.rounds)
+        ]
+        self._tables = fresh
+        return fresh
 
     def write(self) -> None:
-        """Rewrite metrics.json, rounds.csv, clients.csv, accuracy.png, and alpha.png (mixed
-        heads), clusters.csv and clusters.png (clustered heads) or confidence.png (pFedVEM's
-        confidences)."""
-        records = [
-            {**asdict(r), "mean_accuracy": r.mean_accuracy,
-             **({"mean_generalized_accuracy": r.mean_generalized_accuracy} if r.generalized else {}),
-             **({"mean_local_accuracy": r.mean_local_accuracy} if np.isfinite(r.mean_local_accuracy) else {}),
-             "group": {pid: self.group_of(pid) for pid in sorted(set(r.accuracy) | set(r.train))}}
-            for r in self.rounds
-        ]
-        document = {"config": self.config, "rounds": records, "written": time.time()}
-        atomic_write(self.directory / "metrics.json",
-                     json.dumps(finite_json(document), separators=(",", ":"), allow_nan=False).encode())
-        atomic_write(self.directory / "rounds.csv", self._csv(self.round_rows(), ROUND_COLUMNS))
-        atomic_write(self.directory / "clients.csv", self._csv(self.client_rows(), CLIENT_COLUMNS))
-        clustered = any(r.clusters for r in self.rounds)
-        if clustered:
-            atomic_write(self.directory / "clusters.csv", self._csv(self.cluster_rows(), CLUSTER_COLUMNS))
-        self._chart(self.plot_accuracy, self.directory / "accuracy.png")
-        latest = next((r for r in reversed(self.rounds) if r.alpha), None)
+        """Rewrite metrics.json, rounds.csv, clients.csv (and clusters.csv for clustered heads),
+        then have the charts redrawn in the background (:meth:`paint`)."""
+        tables = self._round_tables()
+        config = json.dumps(finite_json(self.config), separators=(",", ":"), allow_nan=False)
+        metrics = (f'{{"config":{config},"rounds":[{",".join(t.metrics for t in tables)}],'
+                   f'"written":{json.dumps(time.time())}}}')
+        atomic_write(self.directory / "metrics.json", metrics.encode())
+        atomic_write(self.directory / "rounds.csv", self._table(ROUND_COLUMNS, (t.round_row for t in tables)))
+        atomic_write(self.directory / "clients.csv", self._table(CLIENT_COLUMNS, (t.client_rows for t in tables)))
+        if any(r.clusters for r in self.rounds):
+            atomic_write(self.directory / "clusters.csv",
+                         self._table(CLUSTER_COLUMNS, (t.cluster_rows for t in tables)))
+        self._painter.submit(list(self.rounds))
+
+    def _table(self, columns: tuple[str, ...], rows: Iterable[str]) -> bytes:
+        return (self._csv([], columns, header=True) + "".join(rows)).encode()
+
+    def paint(self, rounds: Sequence[RoundRecord]) -> None:
+        """Draw accuracy.png, and alpha.png (mixed heads), clusters.png (clustered heads) or
+        confidence.png (pFedVEM's confidences) for ``rounds``."""
+        self._chart(lambda path: self.plot_accuracy(rounds, path), self.directory / "accuracy.png")
+        latest = next((r for r in reversed(rounds) if r.alpha), None)
         if latest is not None:
             self._chart(lambda path: self.plot_alpha(latest, path), self.directory / "alpha.png")
-        if clustered:
-            self._chart(self.plot_clusters, self.directory / "clusters.png")
-        if any(RHO in m for r in self.rounds for m in r.train.values()):
-            self._chart(self.plot_confidence, self.directory / "confidence.png")
+        if any(r.clusters for r in rounds):
+            self._chart(lambda path: self.plot_clusters(rounds, path), self.directory / "clusters.png")
+        if any(RHO in m for r in rounds for m in r.train.values()):
+            self._chart(lambda path: self.plot_confidence(rounds, path), self.directory / "confidence.png")
 
     @staticmethod
     def _chart(plot: Callable[[Path], None], path: Path) -> None:
@@ -264,20 +366,19 @@ class RunReport:
         try:
             plot(path)
         except Exception as err:  # pylint: disable=broad-exception-caught  # a chart is optional
-            plt.close("all")  # a figure that failed to render is still open
             log(WARNING, "could not write the chart %s, the run goes on: %s", path, err)
 
     # ------------------------------------------------------------------ plots
 
-    def plot_accuracy(self, path: Path) -> None:
-        rounds = [r.round for r in self.rounds if r.accuracy]
-        fig, ax = plt.subplots(figsize=(6, 4))
+    def plot_accuracy(self, records: Sequence[RoundRecord], path: Path) -> None:
+        rounds = [r.round for r in records if r.accuracy]
+        fig, ax = _figure(6, 4)
         if rounds:
-            per_round = [np.array(list(r.accuracy.values())) * 100 for r in self.rounds if r.accuracy]
+            per_round = [np.array(list(r.accuracy.values())) * 100 for r in records if r.accuracy]
             ax.fill_between(rounds, [a.min() for a in per_round], [a.max() for a in per_round],
                             alpha=0.2, label="client min-max")
             ax.plot(rounds, [a.mean() for a in per_round], marker="o", markersize=3, label="mean")
-        measured = [r for r in self.rounds if r.generalized]
+        measured = [r for r in records if r.generalized]
         if measured:
             ax.plot([r.round for r in measured], [100 * r.mean_generalized_accuracy for r in measured],
                     marker="s", markersize=4, linestyle="--", label="generalized (mean)")
@@ -296,10 +397,10 @@ class RunReport:
         drift = Drift(str(self.config.get("drift", "none")), rounds)
         return tuple(r for r in drift.change_rounds if r <= self.num_rounds)
 
-    def plot_clusters(self, path: Path) -> None:
+    def plot_clusters(self, records: Sequence[RoundRecord], path: Path) -> None:
         """Clusters per class over the rounds: how the clients' concepts of each class split."""
-        measured = [r for r in self.rounds if r.clusters]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        measured = [r for r in records if r.clusters]
+        fig, ax = _figure(6, 4)
         for c in range(len(measured[-1].clusters)):
             ax.plot([r.round for r in measured], [r.clusters_per_class[c] for r in measured],
                     marker=".", label=f"class {c}")
@@ -312,17 +413,17 @@ class RunReport:
         ax.legend(fontsize=7, ncol=2, loc="upper left")
         self._save(fig, path)
 
-    def plot_confidence(self, path: Path) -> None:
+    def plot_confidence(self, records: Sequence[RoundRecord], path: Path) -> None:
         """Each client's confidence 1/rho^2 over the rounds (pFedVEM: its weight in the prior
         mean), with the median over the clients; log scale when they span more than a decade."""
         per_round = [(r.round, {pid: 1.0 / m[RHO] ** 2 for pid, m in r.train.items() if RHO in m and m[RHO] > 0})
-                     for r in self.rounds]
+                     for r in records]
         per_round = [(t, confidences) for t, confidences in per_round if confidences]
         series: dict[int, list[tuple[int, float]]] = {}
         for t, confidences in per_round:
             for pid, confidence in confidences.items():
                 series.setdefault(pid, []).append((t, confidence))
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = _figure(6, 4)
         for points in series.values():
             ax.plot(*zip(*points), linewidth=0.8, alpha=0.5)
         ax.plot([t for t, _ in per_round], [float(np.median(list(c.values()))) for _, c in per_round],
@@ -342,16 +443,22 @@ class RunReport:
         plot_alpha(record.alpha, record.alpha_partitions, record.round, self.group_of, path)
 
     @staticmethod
-    def _save(fig, path: Path) -> None:
+    def _save(fig: Figure, path: Path) -> None:
         save_figure(fig, path)
 
 
-def save_figure(fig, path: Path) -> None:
+def _figure(width: float, height: float):  # noqa: ANN202
+    """A figure and its axes outside pyplot's global registry, so that the chart thread can
+    draw while the server goes on."""
+    fig = Figure(figsize=(width, height))
+    return fig, fig.subplots()
+
+
+def save_figure(fig: Figure, path: Path) -> None:
     """Render ``fig`` to PNG and write it atomically."""
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
     atomic_write(path, buffer.getvalue())
 
 
@@ -369,7 +476,7 @@ def plot_alpha(  # pylint: disable=too-many-arguments
     matrix = np.asarray(alpha)[np.ix_(order, order)]
     labels = [f"{pids[i]} (g{group_of(pids[i])})" for i in order]
     size = max(4.0, 0.3 * len(pids) + 2)
-    fig, ax = plt.subplots(figsize=(size + 1, size))
+    fig, ax = _figure(size + 1, size)
     image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=max(matrix.max(), 1e-9))
     fig.colorbar(image, ax=ax, label="alpha_ij")
     if len(pids) <= 40:

@@ -4,6 +4,7 @@ names the file and what is wrong, and nothing is left half-written."""
 
 from __future__ import annotations
 
+import csv
 import errno
 import gzip
 import io
@@ -13,6 +14,8 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +249,7 @@ def test_round_outputs_checkpoint_first_then_tables_then_charts(tmp_path, monkey
     report = _report(tmp_path)
     written.clear()  # config.json
     _end_round(report, 1)
+    report.close()
     assert written[:4] == ["checkpoint.npz", "metrics.json", "rounds.csv", "clients.csv"]
     assert set(written[4:]) == {"accuracy.png", "alpha.png"}
 
@@ -256,11 +260,91 @@ def test_confidences_are_charted_only_for_methods_that_report_them(tmp_path):
         record = _record(number)
         record.train = {pid: {"train-loss": 0.5, "num-examples": 6.0, "rho": 0.1 * (pid + number)} for pid in (0, 1)}
         write_round_outputs(report, record, _checkpoint([*report.rounds, record]))
+    report.close()
     assert (tmp_path / "confidence.png").read_bytes().startswith(b"\x89PNG")
     other = tmp_path / "fedpac"
     other.mkdir()
-    _end_round(_report(other), 1)
-    assert not (other / "confidence.png").exists()
+    other_report = _report(other)
+    _end_round(other_report, 1)
+    other_report.close()
+    assert (other / "accuracy.png").exists() and not (other / "confidence.png").exists()
+
+
+def _varied_record(number: int) -> RoundRecord:
+    """A round with every kind of table content: a NaN metric, clusters, a sample, a rejection."""
+    record = _record(number)
+    record.train = {0: {"train-loss": float("nan"), "num-examples": 6.0, "v": 0.5},
+                    1: {"train-loss": 0.25 * number, "num-examples": 8.0, "rho": 0.5}}
+    record.generalized = {0: 0.5, 1: 0.25}
+    record.cluster_partitions, record.clusters = [0, 1], [[0, 0], [0, 1]]
+    record.sampled, record.aggregated, record.rejected = [0, 1], [1], number % 2
+    return record
+
+
+def test_tables_serialize_each_round_once_and_equal_the_whole_history_written_at_once(tmp_path, monkeypatch):
+    report = _report(tmp_path)
+    serialized: list[int] = []
+    real = RunReport.tables_of
+    monkeypatch.setattr(RunReport, "tables_of", lambda self, r: serialized.append(r.round) or real(self, r))
+    for number in (1, 2, 3):
+        record = _varied_record(number)
+        write_round_outputs(report, record, _checkpoint([*report.rounds, record]))
+    report.close()
+    assert serialized == [1, 2, 3]  # not 1, 1, 2, 1, 2, 3
+
+    def whole(columns, rows):
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        return buffer.getvalue()
+
+    def raw(name):  # as written, \r\n line ends and all
+        return (tmp_path / name).read_bytes().decode()
+
+    rounds = report.rounds
+    assert raw("clients.csv") == whole(
+        server_app.report.CLIENT_COLUMNS, [row for r in rounds for row in report.client_rows(r)])
+    assert raw("rounds.csv") == whole(
+        server_app.report.ROUND_COLUMNS, [report.round_row(r) for r in rounds])
+    assert raw("clusters.csv") == whole(
+        server_app.report.CLUSTER_COLUMNS, [row for r in rounds for row in report.cluster_rows(r)])
+    document = json.loads((tmp_path / "metrics.json").read_text())
+    assert document["config"] == {"strategy": "fedpac"}
+    assert document["rounds"] == json.loads(json.dumps(
+        [server_app.report.finite_json(report.metrics_entry(r)) for r in rounds]))
+    assert document["rounds"][0]["train"]["0"]["train-loss"] is None
+
+    # A resume replaces the records (read back from the checkpoint): they are serialized anew.
+    before = {name: raw(name) for name in ("rounds.csv", "clients.csv", "clusters.csv")}
+    report.rounds = list(load_checkpoint(tmp_path).rounds)
+    serialized.clear()
+    report.write()
+    report.close()
+    assert serialized == [1, 2, 3]
+    assert {name: raw(name) for name in before} == before
+
+
+def test_charts_are_drawn_off_the_round_and_end_showing_the_last_round(tmp_path, monkeypatch):
+    drawn: list[tuple[str, int]] = []
+
+    def slow_plot(self, records, path):
+        drawn.append((threading.current_thread().name, len(records)))
+        time.sleep(0.3)  # rounds end faster than the chart is drawn: the newest history wins
+        path.write_bytes(b"chart")
+
+    monkeypatch.setattr(RunReport, "plot_accuracy", slow_plot)
+    threads_before = set(threading.enumerate())
+    report = _report(tmp_path)
+    started = time.perf_counter()
+    for number in (1, 2, 3, 4):
+        _end_round(report, number)
+    assert time.perf_counter() - started < 0.3  # no round waited for a chart
+    report.close()
+    assert drawn[-1][1] == 4 and len(drawn) < 4  # an outdated history was skipped
+    assert all(thread == "chart-painter" for thread, _ in drawn)
+    assert (tmp_path / "accuracy.png").read_bytes() == b"chart"
+    assert set(threading.enumerate()) <= threads_before  # the painter's thread ended with the run
 
 
 def test_metrics_json_stays_standard_json_when_a_client_reports_nan(tmp_path):
@@ -300,6 +384,7 @@ def test_a_chart_that_fails_is_a_warning_and_the_run_goes_on(tmp_path, monkeypat
     with caplog.at_level(logging.WARNING):
         _end_round(report, 1)
         _end_round(report, 2)
+        report.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("accuracy.png" in w and "the run goes on" in w for w in warnings)
     assert load_checkpoint(tmp_path).completed_rounds == 2
