@@ -217,8 +217,11 @@ class TaskRunner:
         return sub_status
 
 
-def worker_main(connection: Connection, endpoint: RuntimeEndpoint, options: WorkerOptions) -> None:
-    """A worker: receive tokens over the pipe, run each task, answer with its sub-status."""
+def worker_main(connection: Connection, endpoint: RuntimeEndpoint, options: WorkerOptions,
+                executor_pid: int) -> None:
+    """A worker: receive tokens over the pipe, run each task, answer with its sub-status; gone
+    with the executor ``executor_pid`` that started it."""
+    _exit_with_parent(executor_pid, direct=True)
     if options.niceness:
         os.nice(options.niceness)
     for module in options.preload:
@@ -245,7 +248,7 @@ class Worker:
         context = multiprocessing.get_context("spawn")  # no inherited threads or locks
         self.fab_hash = fab_hash
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, endpoint, options),
+        self.process = context.Process(target=worker_main, args=(child, endpoint, options, os.getpid()),
                                        daemon=True, name="clientapp-worker")
         self.process.start()
         child.close()
@@ -334,17 +337,29 @@ class WarmExecutor:
             self.client.close()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Stop when the SuperNode that started us is gone (like ``--parent-pid`` of Flower's)."""
-    def watch() -> None:
-        while True:
-            time.sleep(1)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(0)  # pylint: disable=protected-access
+def _exit_with_parent(parent_pid: int, direct: bool = False) -> None:
+    """Stop when ``parent_pid`` is gone: the SuperNode that started the executor (like
+    ``--parent-pid`` of Flower's), or the executor that started a worker. A worker left behind
+    in the middle of a task would hold its memory, its host slot and its data forever (an
+    executor that exits this way has no time to stop its workers). ``direct``: ``parent_pid``
+    is this process's parent, so that being reparented says it is gone, even if that happened
+    before this call or the parent is a zombie."""
 
-    threading.Thread(target=watch, daemon=True).start()
+    def gone() -> bool:
+        if direct:
+            return os.getppid() != parent_pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(1)
+        os._exit(0)  # pylint: disable=protected-access
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import multiprocessing
+import subprocess
 import sys
 import threading
 import time
@@ -312,3 +314,52 @@ def test_a_message_carries_all_its_arrays_in_one_record_by_section():
         protocol.pack({"a/b": model})
     with pytest.raises(ValueError, match="not named <section>/<array>"):
         protocol.unpack(protocol.to_record({"h": np.zeros(2)}))
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return any(line.startswith("State:") and "Z" in line for line in status)  # exited, not reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_whose_executor_died_exits_even_in_the_middle_of_a_task(tmp_path):
+    # An executor killed while its worker runs a task (here: one that never ends) has no time to
+    # stop the worker; before, such workers lived on with their memory and host slots.
+    (tmp_path / "busy_worker.py").write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'deploy')!r})\n"
+        "import warm_executor\n"
+        "def task(executor):\n"
+        "    warm_executor._exit_with_parent(executor, direct=True)\n"
+        "    time.sleep(120)\n"
+    )
+    executor = subprocess.Popen(
+        [sys.executable, "-c",
+         "import multiprocessing, os, sys, time; sys.path.insert(0, sys.argv[1]); import busy_worker\n"
+         "if __name__ == '__main__':\n"
+         "    worker = multiprocessing.get_context('spawn').Process(target=busy_worker.task, args=(os.getpid(),))\n"
+         "    worker.start()\n"
+         "    print(worker.pid, flush=True); time.sleep(120)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(executor.stdout.readline())
+        executor.kill()  # the worker may still be starting: it must go all the same
+        executor.wait()
+        deadline = time.monotonic() + 10
+        while not _process_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _process_gone(worker)
+    finally:
+        executor.kill()
+
+
+def test_every_worker_watches_its_executor(monkeypatch):
+    watched: list[tuple[int, bool]] = []
+    monkeypatch.setattr(warm_executor, "_exit_with_parent", lambda pid, direct: watched.append((pid, direct)))
+    ours, theirs = multiprocessing.Pipe()
+    ours.close()  # the executor is gone: the worker's loop ends at once
+    endpoint = warm_executor.RuntimeEndpoint("127.0.0.1:1", True, None)
+    warm_executor.worker_main(theirs, endpoint, warm_executor.WorkerOptions(), 4242)
+    assert watched == [(4242, True)]
