@@ -25,7 +25,7 @@ import io
 import json
 import math
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class RunOutputs:
     config: dict[str, Any]
     rounds: list[dict[str, Any]]  # metrics.json's per-round records
     written: float  # when metrics.json was last rewritten
+    status: dict[str, Any] = field(default_factory=dict)  # status.json, when there is one
 
     @property
     def completed_rounds(self) -> int:
@@ -67,6 +68,14 @@ class RunOutputs:
     @property
     def resumable(self) -> bool:
         return (self.directory / "checkpoint.npz").is_file()
+
+    @property
+    def stalled(self) -> bool:
+        """The run stopped because its federation stalled: its last rounds had too few training
+        replies (in a simulation, workers killed for memory, say), and its checkpoint counts
+        them as rounds, so an experiment must not continue from it."""
+        return self.status.get("state") == "failed" and str(self.status.get("error", "")).startswith(
+            "FederationStalled")
 
     @property
     def compute_seconds(self) -> float:
@@ -107,9 +116,14 @@ def read_run(directory: Path) -> RunOutputs | None:
     path = directory / "metrics.json"
     try:
         document = json.loads(path.read_text())
-        return RunOutputs(directory, document["config"], document["rounds"], path.stat().st_mtime)
+        run = RunOutputs(directory, document["config"], document["rounds"], path.stat().st_mtime)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    try:
+        status = json.loads((directory / "status.json").read_text())
+    except (OSError, ValueError):
+        return run
+    return RunOutputs(run.directory, run.config, run.rounds, run.written, status if isinstance(status, dict) else {})
 
 
 def _same_cell(config: dict[str, Any], cell: Cell) -> bool:
@@ -131,10 +145,16 @@ def finished_run(directory: Path, cell: Cell) -> RunOutputs | None:
 
 
 def resumable_run(directory: Path, cell: Cell) -> RunOutputs | None:
-    """The latest unfinished run of the cell that left a checkpoint (a stopped or crashed run)."""
+    """The latest unfinished run of the cell that left a checkpoint (a stopped or crashed run),
+    a stalled run excepted (:attr:`RunOutputs.stalled`): the run before it, if any, is resumed."""
     partial = [r for r in cell_runs(directory, cell)
-               if r.resumable and not r.finished and 0 < r.completed_rounds < cell.rounds]
+               if r.resumable and not r.finished and not r.stalled and 0 < r.completed_rounds < cell.rounds]
     return partial[-1] if partial else None
+
+
+def stalled_runs(directory: Path, cell: Cell) -> list[RunOutputs]:
+    """The cell's runs that stopped because the federation stalled, oldest first."""
+    return [r for r in cell_runs(directory, cell) if r.stalled]
 
 
 # ---------------------------------------------------------------------------- report

@@ -8,6 +8,7 @@ Flower simulations (Ray) twice and checks that the second invocation redoes noth
 import csv
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +453,31 @@ def test_the_report_says_what_the_grid_computed_and_what_is_left(tmp_path):
     # 60 s for 2 rounds; 3 cells x 2 rounds left at 30 s a round
     assert line == ("Compute: 1 of 4 cells finished, their rounds took 1.0 min; "
                     "the 3 cells left need about 3.0 min at that pace.")
+
+
+def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
+    # A run that stopped because its federation stalled (here: its rounds 2 and 3 without
+    # training replies) has those rounds in its checkpoint: the cell goes on from the run before.
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    args = [str(grid), "--out", str(out), "--seeds", "0", "--methods", "fedavg", "--rounds", "4"]
+    cell = next(c for _, c in load_grid(grid, Overrides(seeds=[0], methods=["fedavg"], rounds=4))[0].cells())
+    directory = cell_directory(out, cell)
+    clean = _fake_run(cell, directory, [0.5], finished=False, name="run-clean")
+    stalled = _fake_run(cell, directory, [0.5, 0.6, 0.6], finished=False, name="run-stalled")
+    (stalled / "status.json").write_text(json.dumps({
+        "state": "failed", "completed_rounds": 3,
+        "error": "FederationStalled: Round 4: 0 valid training replies, fewer than min-train-replies = 1"}))
+    os.utime(clean / "metrics.json", (1, 1))  # the clean run is the older one
+    simulation = FakeSimulation()
+    assert main(args, execute=simulation) == 0
+    assert simulation.calls == [("fedavg", 0, clean)]
+    log = capsys.readouterr().out
+    assert "not continuing the stalled run run-stalled" in log and "resuming after round 1/4 from run-clean" in log
+
+    # a stalled run with no clean run before it: the cell starts over
+    other = tmp_path / "other"
+    stalled_only = _fake_run(cell, cell_directory(other, cell), [0.5, 0.6], finished=False, name="run-stalled")
+    (stalled_only / "status.json").write_text((stalled / "status.json").read_text())
+    simulation = FakeSimulation()
+    assert main([str(grid), "--out", str(other), *args[3:]], execute=simulation) == 0
+    assert simulation.calls == [("fedavg", 0, None)]
