@@ -152,7 +152,6 @@ class ChartPainter:
         self._paint = paint
         self._ready = threading.Condition()
         self._next: list[RoundRecord] | None = None
-        self._busy = False
         self._thread: threading.Thread | None = None
 
     def submit(self, rounds: list[RoundRecord]) -> None:
