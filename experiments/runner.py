@@ -19,13 +19,14 @@ partial results of a long grid are readable while it runs. Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -338,6 +339,23 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGTERM stops the grid as Ctrl-C does, and so does SIGINT even when it was ignored at start
+    (a command that a script starts in the background inherits SIGINT ignored): the cell in
+    progress is stopped with its whole process group, and the grid resumes later from its
+    checkpoint. Before, a SIGTERM ended the runner and left its simulation running."""
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
 def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
     """Console entry point; returns 0 when every cell finished, 1 when some failed, 2 on a bad grid."""
     args = parser().parse_args(argv)
@@ -370,8 +388,9 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
         return simulate(cell, directory, resume_from, log_path, options)
 
     try:
-        failed = run_grid(experiments, out, execute or default_execute, log=lambda line: print(line, flush=True),
-                          extend=args.extend)
+        with interruptible():
+            failed = run_grid(experiments, out, execute or default_execute,
+                              log=lambda line: print(line, flush=True), extend=args.extend)
     except KeyboardInterrupt:
         print("fedpac-experiments: interrupted; run the same command again to resume the grid", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
     parser.add_argument("--gpus-per-client", type=float, default=0.0)
     args = parser.parse_args(argv)
+    # The runner stops a cell with SIGINT first (Ray shuts down cleanly): take it even when this
+    # process inherited it ignored (a runner started in the background by a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_cell(json.loads(args.run_config), args.clients, args.cpus_per_client, args.gpus_per_client)
 
 

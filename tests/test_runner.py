@@ -9,6 +9,10 @@ import csv
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -481,3 +485,52 @@ def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
     simulation = FakeSimulation()
     assert main([str(grid), "--out", str(other), *args[3:]], execute=simulation) == 0
     assert simulation.calls == [("fedavg", 0, None)]
+
+
+_STOPPABLE_RUNNER = """
+import subprocess, sys, time
+from experiments import runner
+
+def execute(cell, directory, resume_from, log_path):
+    # a cell's process in its own session, as runner.simulate starts it, that never ends by itself
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    print(process.pid, flush=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        runner._stop(process)
+        raise
+
+sys.exit(runner.main(sys.argv[1:], execute=execute))
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop):
+    # A script's background command inherits SIGINT ignored; before, SIGINT did nothing there and
+    # SIGTERM ended the runner but left its cell's simulation running.
+    runner = subprocess.Popen(
+        [sys.executable, "-c", _STOPPABLE_RUNNER, str(_grid(tmp_path)), "--out", str(tmp_path / "out"),
+         "--seeds", "0", "--methods", "fedavg"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # noqa: PLW1509  # single-threaded here
+    try:
+        cell = None
+        while cell is None:  # the runner logs its plan first, then the cell prints its pid
+            line = runner.stdout.readline()
+            assert line, runner.stderr.read()
+            cell = int(line) if line.strip().isdigit() else None
+        runner.send_signal(stop)
+        assert runner.wait(timeout=30) == 130
+        assert "interrupted" in runner.stderr.read()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(cell, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the cell's process outlived the runner")
+    finally:
+        runner.kill()
