@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
-from experiments.summary import RunOutputs, Results, finished_run, read_run, resumable_run, stalled_runs, write_report
+from experiments.summary import RunOutputs, Results, finished_run, read_run, resumable_run, resume_point, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,11 +250,10 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
             log(f"{prefix}: finished before, skipped ({_final(done, planned)})")
             continue
         _write_cell_file(directory, cell)
-        start = resumable_run(directory, cell)
-        for stalled in stalled_runs(directory, cell):
-            if start is None or stalled.written > start.written:
-                log(f"{prefix}: not continuing the stalled run {stalled.directory.name} (its last rounds "
-                    f"had too few training replies: {stalled.status.get('error', '')[:160]})")
+        start, passed_over = resume_point(directory, cell)
+        for stalled in passed_over:
+            log(f"{prefix}: not continuing the stalled run {stalled.directory.name} (its last rounds "
+                f"had too few training replies: {stalled.status.get('error', '')[:160]})")
         if start is not None:
             log(f"{prefix}: resuming after round {start.completed_rounds}/{cell.rounds} from {start.directory.name}")
         elif extend and (start := extension_source(out, cell)) is not None:

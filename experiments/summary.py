@@ -116,14 +116,14 @@ def read_run(directory: Path) -> RunOutputs | None:
     path = directory / "metrics.json"
     try:
         document = json.loads(path.read_text())
-        run = RunOutputs(directory, document["config"], document["rounds"], path.stat().st_mtime)
+        config, rounds, written = document["config"], document["rounds"], path.stat().st_mtime
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
         status = json.loads((directory / "status.json").read_text())
     except (OSError, ValueError):
-        return run
-    return RunOutputs(run.directory, run.config, run.rounds, run.written, status if isinstance(status, dict) else {})
+        status = {}
+    return RunOutputs(directory, config, rounds, written, status if isinstance(status, dict) else {})
 
 
 def _same_cell(config: dict[str, Any], cell: Cell) -> bool:
@@ -144,17 +144,20 @@ def finished_run(directory: Path, cell: Cell) -> RunOutputs | None:
     return done[-1] if done else None
 
 
-def resumable_run(directory: Path, cell: Cell) -> RunOutputs | None:
+def resume_point(directory: Path, cell: Cell) -> tuple[RunOutputs | None, list[RunOutputs]]:
     """The latest unfinished run of the cell that left a checkpoint (a stopped or crashed run),
-    a stalled run excepted (:attr:`RunOutputs.stalled`): the run before it, if any, is resumed."""
-    partial = [r for r in cell_runs(directory, cell)
+    stalled runs excepted (:attr:`RunOutputs.stalled`): the run before them, if any, is
+    resumed; and the stalled runs passed over for it (newer than it), oldest first."""
+    runs = cell_runs(directory, cell)
+    partial = [r for r in runs
                if r.resumable and not r.finished and not r.stalled and 0 < r.completed_rounds < cell.rounds]
-    return partial[-1] if partial else None
+    start = partial[-1] if partial else None
+    return start, [r for r in runs if r.stalled and (start is None or r.written > start.written)]
 
 
-def stalled_runs(directory: Path, cell: Cell) -> list[RunOutputs]:
-    """The cell's runs that stopped because the federation stalled, oldest first."""
-    return [r for r in cell_runs(directory, cell) if r.stalled]
+def resumable_run(directory: Path, cell: Cell) -> RunOutputs | None:
+    """The run a cell continues from (:func:`resume_point`), if any."""
+    return resume_point(directory, cell)[0]
 
 
 # ---------------------------------------------------------------------------- report

@@ -196,6 +196,7 @@ class RunReport:
         self.config = config
         self.rounds: list[RoundRecord] = []
         self._tables: list[RoundTables] = []
+        self._config_json = json.dumps(finite_json(config), separators=(",", ":"), allow_nan=False)
         self._painter = ChartPainter(self.paint)
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
@@ -333,8 +334,7 @@ class RunReport:
         """Rewrite metrics.json, rounds.csv, clients.csv (and clusters.csv for clustered heads),
         then have the charts redrawn in the background (:meth:`paint`)."""
         tables = self._round_tables()
-        config = json.dumps(finite_json(self.config), separators=(",", ":"), allow_nan=False)
-        metrics = (f'{{"config":{config},"rounds":[{",".join(t.metrics for t in tables)}],'
+        metrics = (f'{{"config":{self._config_json},"rounds":[{",".join(t.metrics for t in tables)}],'
                    f'"written":{json.dumps(time.time())}}}')
         atomic_write(self.directory / "metrics.json", metrics.encode())
         atomic_write(self.directory / "rounds.csv", self._table(ROUND_COLUMNS, (t.round_row for t in tables)))
