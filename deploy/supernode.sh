@@ -192,6 +192,12 @@ for ((attempt = 0; ; attempt++)); do
   flower=""
   [ "$code" = 1 ] && flower="$(sed -n 's/.*Exit Code: \([0-9][0-9]*\).*/\1/p' "$log" | tail -n 1)"
   status="status $code${flower:+ (Flower exit code $flower)}"
+  # uvicorn's words when the runtime API cannot bind: another process holds the port, and
+  # restarting on the same port meets it again (two nodes of one host given the same --port).
+  if grep -qaE 'while attempting to bind on address .*address already in use' "$log"; then
+    echo "supernode.sh: flower-supernode exited with $status, not restarting: port $port on 127.0.0.1 (the runtime API its ClientApp connects to) is taken by another process. Fix: pass a free port with --port; every SuperNode on a host needs its own" >&2
+    exit "$code"
+  fi
   if [ -n "$flower" ] && permanent "$flower" "$log"; then
     echo "supernode.sh: flower-supernode exited with $status, not restarting: $cause. Fix: $fix" >&2
     exit "$code"

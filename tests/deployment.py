@@ -26,10 +26,19 @@ FEDERATION = "fedpac-test"
 SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free localhost port not handed out before by this process: the kernel may give a port
+    that was bound and released again, and two SuperNodes started in a row must not share one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def create_certificates(directory: Path, num_nodes: int, *sans: str) -> Path:

@@ -39,6 +39,8 @@ failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9092: Tl
 '(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: '\
 'unable to get local issuer certificate: OK
 The SuperNode could not establish a connection to the SuperLink.' ;;
+  port) printf '%s\n' "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 9094): address already in use" \
+         'Traceback (most recent call last):' 'RuntimeError: SuperNode Runtime HTTP API failed to start.' >&2; exit 1 ;;
   busy) flower_exit 305 'Failed to initialize the connection to the SuperLink.
 [code: 2004] Failed to activate SuperNode.
 The SuperNode could not establish a connection to the SuperLink.' ;;
@@ -191,6 +193,16 @@ def test_a_permanent_flower_exit_code_stops_at_once(site, executor, plan, code, 
     assert "Exit Code: " + code in result.stderr  # Flower's own message still reaches the log
     if plan == "tls":
         assert "(unable to get local issuer certificate)" in last, last
+
+
+@pytest.mark.parametrize("executor", ["cold", "warm"])
+def test_a_taken_runtime_port_stops_at_once_and_names_the_port(site, executor):
+    # two SuperNodes of one host given the same --port: the second would restart into it forever
+    result = run(site, base_args(site, executor=executor, restarts="18"), plan="port")
+    assert result.returncode == 1, result.stderr
+    assert starts(site) == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("supernode.sh: ") and "port 9094" in last and "taken" in last and "--port" in last, last
 
 
 @pytest.mark.parametrize("executor", ["cold", "warm"])
