@@ -39,7 +39,8 @@ failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9092: Tl
 '(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: '\
 'unable to get local issuer certificate: OK
 The SuperNode could not establish a connection to the SuperLink.' ;;
-  port) printf '%s\n' "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 9094): address already in use" \
+  port) printf '%s\n' "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 9094): "\
+"address already in use" \
          'Traceback (most recent call last):' 'RuntimeError: SuperNode Runtime HTTP API failed to start.' >&2; exit 1 ;;
   busy) flower_exit 305 'Failed to initialize the connection to the SuperLink.
 [code: 2004] Failed to activate SuperNode.
