@@ -456,15 +456,32 @@ def local_update(  # pylint: disable=too-many-arguments
     return LocalUpdate(num_examples=len(y), train_loss=train_joint(model, x, y, cfg, generator))
 
 
+EVALUATION_BATCH = 1024
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
-    model.eval()
-    loss = torch.zeros((), device=x.device)
-    correct = torch.zeros((), device=x.device)
-    for start in range(0, len(x), batch_size):
-        logits = model(x[start : start + batch_size])
+def extract_features(extractor: nn.Module, x: torch.Tensor, batch_size: int = EVALUATION_BATCH) -> torch.Tensor:
+    """f_theta(x) for a whole set, batch by batch (the batches :func:`evaluate` uses, so the
+    features, and what a head makes of them, are the same bits as a full forward pass)."""
+    extractor.eval()
+    return torch.cat([extractor(x[start : start + batch_size]) for start in range(0, len(x), batch_size)])
+
+
+@torch.no_grad()
+def evaluate_head(head: nn.Module, features: torch.Tensor, y: torch.Tensor,
+                  batch_size: int = EVALUATION_BATCH) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``head`` on features already extracted."""
+    head.eval()
+    loss = torch.zeros((), device=features.device)
+    correct = torch.zeros((), device=features.device)
+    for start in range(0, len(features), batch_size):
+        logits = head(features[start : start + batch_size])
         target = y[start : start + batch_size]
         loss += F.cross_entropy(logits, target, reduction="sum")
         correct += (logits.argmax(dim=1) == target).sum()
-    return float(loss / len(x)), float(correct / len(x))
+    return float(loss / len(features)), float(correct / len(features))
+
+
+def evaluate(model: FedPACNet, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
+    return evaluate_head(model.head, extract_features(model.extractor, x), y)

@@ -7,6 +7,8 @@ names start with ``extractor.`` or ``head.``.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -65,3 +67,14 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     extractor = {k: v for k, v in state.items() if k.startswith(EXTRACTOR_PREFIX)}
     head = {k: v for k, v in state.items() if k.startswith(HEAD_PREFIX)}
     return extractor, head
+
+
+def weights_digest(module: nn.Module) -> bytes:
+    """A digest of ``module``'s parameters and buffers (names, shapes, dtypes and values, bit for
+    bit): what a cache of the module's outputs is keyed by."""
+    digest = hashlib.blake2b(digest_size=32)
+    for name, tensor in module.state_dict().items():
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()

@@ -176,3 +176,37 @@ def test_the_generalized_accuracy_is_measured_when_asked_for_or_under_drift():
     assert due({}) == [False] * 5  # no drift, not asked: the whole test set is never evaluated
     assert due({"drift": "sudden", "drift-rounds": "2"}) == [False, False, False, False, True]
     assert due({"generalized-every": 2}) == [False, True, False, True, True]
+
+
+def test_heads_on_one_extractor_share_one_pass_over_the_whole_test_set(monkeypatch):
+    """The generalized accuracy from the cached features is the full forward pass's, bit for bit,
+    and the whole test set goes through an extractor once, however many heads are measured."""
+    import copy  # pylint: disable=import-outside-toplevel
+
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from client_app import app as client  # pylint: disable=import-outside-toplevel
+    from client_app.train import evaluate, evaluate_head  # pylint: disable=import-outside-toplevel
+    from common.model import FedPACNet  # pylint: disable=import-outside-toplevel
+
+    passes = []
+    extract = client.extract_features
+    monkeypatch.setattr(client, "extract_features", lambda *args: passes.append(1) or extract(*args))
+    cfg, device = parse_run_config({}), torch.device("cpu")
+    x_all, y_all = client.full_test_tensors(cfg, device)
+    torch.manual_seed(0)
+    received = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
+
+    def measured(extractor_shift: float) -> None:
+        for _ in range(3):  # three clients: the same extractor, each its own head
+            model = copy.deepcopy(received)
+            with torch.no_grad():
+                model.extractor[0].bias.add_(extractor_shift)
+            torch.nn.init.normal_(model.head.weight)
+            cached = evaluate_head(model.head, client.full_test_features(model, cfg, device), y_all)
+            assert cached == evaluate(model, x_all, y_all)
+
+    measured(0.0)
+    assert len(passes) == 1
+    measured(1e-3)  # the next round's extractor: extracted again, never served stale features
+    assert len(passes) == 2
