@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,7 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
-from experiments.summary import RunOutputs, Results, finished_run, read_run, resumable_run, resume_point, write_report
+from experiments.summary import (
+    RunOutputs,
+    Results,
+    finished_run,
+    read_run,
+    resumable_run,
+    resume_point,
+    seconds_left,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,6 +203,8 @@ def report(experiment: Experiment, out: Path) -> Path:
 
 
 def _duration(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "an unknown time"
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
@@ -236,10 +248,14 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     run of the same configuration instead of starting from round 1.
     """
     cells = plan(experiments)
-    total, started, executed_rounds, executed_seconds = len(cells), time.time(), 0, 0.0
+    total, started = len(cells), time.time()
     log(f"{total} cells in {len(experiments)} experiment(s); outputs in {out}")
-    # Rounds still to compute per cell, read once: the estimate of what is left counts them down.
-    left_rounds = [0 if finished_run(adopt_directory(out, c.cell, log), c.cell) else c.cell.rounds for c in cells]
+    # The paces of the estimate of what is left: finished runs' rounds, then this runner's cells
+    # (wall time, start-up included), by (experiment/setting, method).
+    finished = [finished_run(adopt_directory(out, c.cell, log), c.cell) for c in cells]
+    paced: list[tuple[str, str, float, int]] = [
+        (_pace_setting(c), c.cell.method, run.compute_seconds, run.completed_rounds)
+        for c, run in zip(cells, finished) if run is not None]
     failed = []
     for index, planned in enumerate(cells, start=1):
         cell = planned.cell
@@ -264,11 +280,11 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         status = execute(cell, directory, None if start is None else start.directory, directory / "cell.log")
         seconds = time.time() - cell_started
         done = finished_run(directory, cell)
-        executed_rounds += (done.completed_rounds if done else cell.rounds) - first_round
-        executed_seconds += seconds
+        if done is not None and done.completed_rounds > first_round:
+            paced.append((_pace_setting(planned), cell.method, seconds, done.completed_rounds - first_round))
         elapsed = _duration(time.time() - started)
-        # What is left, at the rounds-per-second of this grid so far (start-up included).
-        remaining = executed_seconds / max(executed_rounds, 1) * sum(left_rounds[index:])
+        remaining = seconds_left(paced, [(_pace_setting(c), c.cell.method, c.cell.rounds)
+                                         for c, run in zip(cells[index:], finished[index:]) if run is None])
         if done is None:
             failed.append(planned)
             log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "
@@ -283,6 +299,11 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     if failed:
         log(f"{len(failed)} of {total} cells failed; run the same command again to retry them")
     return failed
+
+
+def _pace_setting(planned: PlannedCell) -> str:
+    experiment, setting = planned.uses[0]
+    return f"{experiment.name}/{setting}"
 
 
 def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None] = print) -> None:

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,16 +394,40 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 360 else f"{seconds / 60:.1f} min"
 
 
+def seconds_left(done: Sequence[tuple[str, str, float, int]], todo: Sequence[tuple[str, str, int]]) -> float:
+    """Seconds the ``todo`` cells (setting, method, rounds) need at the pace of the ``done`` ones
+    (setting, method, seconds, rounds).
+
+    Methods differ by several times in the cost of a round (pFedVEM's is four FedPAC rounds at
+    20 clients) and settings by their client counts, so a cell goes at the pace of its method in
+    its setting, else of its method, else of its setting, else of everything done (NaN when
+    nothing is).
+    """
+    pace: dict[tuple[str, ...], list[float]] = {}
+    for setting, method, seconds, rounds in done:
+        for key in ((setting, method), ("method", method), ("setting", setting), ()):
+            total = pace.setdefault(key, [0.0, 0.0])
+            total[0], total[1] = total[0] + seconds, total[1] + rounds
+    left = 0.0
+    for setting, method, rounds in todo:
+        seconds, counted = next((pace[key] for key in ((setting, method), ("method", method), ("setting", setting), ())
+                                 if pace.get(key, [0.0, 0.0])[1] > 0), (math.nan, 1.0))
+        left += rounds * seconds / counted
+    return left
+
+
 def compute_line(experiment: Experiment, results: Results) -> str:
     """The experiment's computing so far and, at that pace, what its unfinished cells need."""
     total = len(experiment.cells())
     spent = sum(run.compute_seconds for run in results.values())
-    rounds = sum(run.completed_rounds for run in results.values())
     line = f"Compute: {len(results)} of {total} cells finished, their rounds took {_hours(spent)}"
     if len(results) < total:
-        left = (total - len(results)) * experiment.rounds * spent / rounds if rounds else math.nan
-        line += (f"; the {total - len(results)} cells left need about {_hours(left)} at that pace"
-                 if rounds else f"; {total - len(results)} cells left")
+        done = [(setting, method, run.compute_seconds, run.completed_rounds)
+                for (setting, method, _), run in results.items()]
+        todo = [(setting.name, cell.method, cell.rounds) for setting, cell in experiment.cells()
+                if (setting.name, cell.method, cell.seed) not in results]
+        line += (f"; the {len(todo)} cells left need about {_hours(seconds_left(done, todo))} at the pace "
+                 "of their methods so far" if results else f"; {len(todo)} cells left")
     return line + "."
 
 

@@ -455,8 +455,23 @@ def test_the_report_says_what_the_grid_computed_and_what_is_left(tmp_path):
     run = RunOutputs(tmp_path, {}, [{"round": 1, "seconds": 20.0}, {"round": 2, "seconds": 40.0}], 0.0)
     line = compute_line(experiment, {("s-20", "fedpac", 0): run})
     # 60 s for 2 rounds; 3 cells x 2 rounds left at 30 s a round
+    # fedpac seed 1 at fedpac's 30 s a round; fedavg has no pace yet, so the setting's
     assert line == ("Compute: 1 of 4 cells finished, their rounds took 1.0 min; "
-                    "the 3 cells left need about 3.0 min at that pace.")
+                    "the 3 cells left need about 3.0 min at the pace of their methods so far.")
+
+
+def test_cells_left_go_at_their_methods_pace_then_their_settings_then_all():
+    from experiments.summary import seconds_left
+
+    done = [("20c", "fedpac", 80.0, 10), ("20c", "pfedvem", 330.0, 10), ("100c", "fedpac", 300.0, 10)]
+    assert seconds_left(done, [("20c", "pfedvem", 100)]) == pytest.approx(3300.0)  # its own pace
+    assert seconds_left(done, [("20c", "fedpac", 5), ("100c", "fedpac", 5)]) == pytest.approx(40.0 + 150.0)
+    # pFedVEM at 100 clients: pFedVEM's pace (its setting has only FedPAC's)
+    assert seconds_left(done, [("100c", "pfedvem", 10)]) == pytest.approx(330.0)
+    assert seconds_left(done, [("100c", "local", 10)]) == pytest.approx(300.0)  # the setting's
+    assert seconds_left(done, [("50c", "local", 3)]) == pytest.approx(3 * 710.0 / 30)  # everything's
+    assert seconds_left(done, []) == 0.0
+    assert math.isnan(seconds_left([], [("20c", "fedpac", 1)]))
 
 
 def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
