@@ -360,12 +360,6 @@ def clustered_update(  # pylint: disable=too-many-arguments
     )
 
 
-@torch.no_grad()
-def _features(model: FedPACNet, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-    """f_theta(x) for the whole local set, without gradients, in float32."""
-    return torch.cat([model.extractor(x[start : start + batch_size]).float() for start in range(0, len(x), batch_size)])
-
-
 def variational_update(  # pylint: disable=too-many-arguments
     model: FedPACNet,
     x: torch.Tensor,
@@ -397,7 +391,8 @@ def variational_update(  # pylint: disable=too-many-arguments
     prior_weight, prior_bias = posterior[p.PRIOR_WEIGHT].T, posterior[p.PRIOR_BIAS]  # (K, d) -> (d, K)
     rho = confidence_rho(head, prior_weight, prior_bias)
     model.train()
-    estep = e_step(head, _features(model, x), y, prior_weight, prior_bias, rho, steps=cfg.vem_head_steps,
+    features = extract_features(model.extractor, x)
+    estep = e_step(head, features, y, prior_weight, prior_bias, rho, steps=cfg.vem_head_steps,
                    lr=cfg.vem_head_lr, momentum=cfg.vem_momentum, n_mc=cfg.vem_mc_samples, generator=generator)
 
     optimizer = torch.optim.SGD(model.extractor.parameters(), lr=cfg.vem_base_lr, momentum=cfg.vem_momentum)
@@ -461,17 +456,15 @@ EVALUATION_BATCH = 1024
 
 @torch.no_grad()
 def extract_features(extractor: nn.Module, x: torch.Tensor, batch_size: int = EVALUATION_BATCH) -> torch.Tensor:
-    """f_theta(x) for a whole set, batch by batch (the batches :func:`evaluate` uses, so the
-    features, and what a head makes of them, are the same bits as a full forward pass)."""
-    extractor.eval()
-    return torch.cat([extractor(x[start : start + batch_size]) for start in range(0, len(x), batch_size)])
+    """f_theta(x) for a whole set, without gradients, in float32, batch by batch (the batches
+    :func:`evaluate` uses, so what a head makes of them is the same bits as a full forward pass)."""
+    return torch.cat([extractor(x[start : start + batch_size]).float() for start in range(0, len(x), batch_size)])
 
 
 @torch.no_grad()
 def evaluate_head(head: nn.Module, features: torch.Tensor, y: torch.Tensor,
                   batch_size: int = EVALUATION_BATCH) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``head`` on features already extracted."""
-    head.eval()
     loss = torch.zeros((), device=features.device)
     correct = torch.zeros((), device=features.device)
     for start in range(0, len(features), batch_size):
@@ -484,4 +477,5 @@ def evaluate_head(head: nn.Module, features: torch.Tensor, y: torch.Tensor,
 
 def evaluate(model: FedPACNet, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
+    model.eval()
     return evaluate_head(model.head, extract_features(model.extractor, x), y)
