@@ -26,6 +26,7 @@ run: install
 
 test: install
 	deploy/install-docker.sh $(VENV)
+	deploy/install-datasets.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12
