@@ -10,7 +10,10 @@ participation) runs three times on this machine, one after the other:
    holds its data), each ClientApp in a warm worker (``deploy/warm_executor.py``), driven by
    ``flwr run`` like a user's workstation;
 3. (``--cold-rounds`` > 0) the same deployment with Flower's own executor, a fresh ClientApp
-   process per message (``supernode.sh --executor cold``): the "before".
+   process per message (``supernode.sh --executor cold``): the "before";
+4. (``--variant LABEL:KEY=VALUE,...``, repeatable) the deployment of 2. again with these
+   environment variables set for the SuperLink and the SuperNodes, e.g. an A/B of one launcher
+   feature in the same run: ``--variant "object waits off:FEDPAC_SUPERLINK_OBJECT_WAIT=0,FEDPAC_NODE_OBJECT_WAIT=0"``.
 
 Every process gets one torch thread (``OMP_NUM_THREADS=1``), as Ray gives each simulated
 client one CPU, so the runs compute the same thing and must report the same accuracies; the
@@ -30,6 +33,7 @@ same process (what a warm worker pays).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +101,30 @@ def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, dat
         return rounds_of(out)
     finally:
         federation.close()
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:KEY=VALUE,KEY=VALUE`` -> (label, environment overrides)."""
+    label, separator, assignments = text.partition(":")
+    pairs = [item.partition("=") for item in assignments.split(",") if item]
+    if not label or not separator or not pairs or any(not key or not eq for key, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"a variant is LABEL:KEY=VALUE[,KEY=VALUE...], got {text!r}")
+    return label, {key: value for key, _, value in pairs}
+
+
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``overrides`` while the block runs (the federation's processes inherit it)."""
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def median_round(rounds: list[dict]) -> float:
@@ -164,6 +193,8 @@ def main() -> None:
                      help="seconds between starting the SuperNodes and submitting the run")
     cli.add_argument("--host-slots", type=int, default=os.cpu_count() or 1,
                      help="trainings at once on this host (default: its cores; 0: no limit)")
+    cli.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                     help="also run the deployment with these environment variables (repeatable)")
     cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = cli.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per client, as in the simulation
@@ -183,12 +214,19 @@ def main() -> None:
             timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds, data)
         except RuntimeError as err:  # the "before" is a reference: its failure is reported, not fatal
             print(f"cold-executor deployment failed: {str(err)[:500]}")
+    for number, (label, overrides) in enumerate(args.variant):
+        with environment(overrides):
+            timed[f"deployment, {label}"] = deploy(args, work / f"variant-{number}", "warm", args.rounds, data)
+        results[f"deployment, {label}"] = {"environment": overrides}
     for name, rounds in timed.items():
-        results[name] = {"round_seconds": [float(r["seconds"]) for r in rounds],
+        results[name] = {**results.get(name, {}), "round_seconds": [float(r["seconds"]) for r in rounds],
                          "accuracy": [float(r["mean_accuracy"]) for r in rounds],
                          "median_round_seconds": median_round(rounds)}
     sim, dep = results["simulation"], results["deployment"]
     results["ratio"] = dep["median_round_seconds"] / sim["median_round_seconds"]
+    for label, _ in args.variant:
+        variant = results[f"deployment, {label}"]
+        variant["ratio"] = variant["median_round_seconds"] / sim["median_round_seconds"]
     results["max_accuracy_difference"] = max(abs(a - b) for a, b in zip(sim["accuracy"], dep["accuracy"]))
     results["message_breakdown"] = message_breakdown(args)
 
@@ -205,6 +243,8 @@ def main() -> None:
               + " ".join(f"{100 * a:.2f}" for a in results[name]["accuracy"]))
     print(f"deployment / simulation: {results['ratio']:.2f}x (goal <= 1.3x); largest accuracy "
           f"difference {100 * results['max_accuracy_difference']:.4f} points")
+    for label, _ in args.variant:
+        print(f"deployment, {label} / simulation: {results[f'deployment, {label}']['ratio']:.2f}x")
     for kind, parts in results["message_breakdown"].items():
         fixed = sum(v for k, v in parts.items() if k != "compute")
         print(f"{kind} message: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())

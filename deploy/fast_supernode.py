@@ -18,6 +18,12 @@ it is stored.
 
     python deploy/fast_supernode.py --superlink HOST:9092 ...   # flower-supernode's arguments
 
+Its Runtime API's ``PullObject`` waits up to ``FEDPAC_NODE_OBJECT_WAIT`` seconds (default 2;
+0: off) for an object the node announced but has not stored yet: a ClientApp takes its task
+as soon as the node created it, while the node is still pulling the message's objects from the
+SuperLink, and Flower's puller backs off a whole second after each "not available yet"
+(``long_poll.ObjectArrivals``).
+
 While its ClientApp works, the loop looks for the reply in the node's state every 0.5 s
 (0.1 s here); that look is a long poll too (``FEDPAC_NODE_REPLY_WAIT``, default 2 s), woken when
 the Runtime API stores the reply, so a node costs nothing while it waits and sends the reply on
@@ -52,7 +58,7 @@ from flwr.supernode.cli.flower_supernode import flower_supernode
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 from flwr.supernode.servicer.runtime import runtime_handlers
 
-from long_poll import LongPoll, wait_from_environment
+from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment
 
 IDLE_PULL_WAIT = 3.0  # Flower 1.39's wait after an empty pull
 REPLY_WAIT = 0.5  # Flower 1.39's wait between looks for the ClientApp's reply
@@ -101,6 +107,12 @@ def long_poll_replies(wait: float) -> LongPoll:
     return poll
 
 
+def long_poll_objects(wait: float) -> ObjectArrivals:
+    """Make the Runtime API's ``PullObject`` (the ClientApp's) wait for an object that the node
+    announced but is still pulling from the SuperLink."""
+    return wait_for_objects(wait, [(runtime_handlers, "pull_object")])
+
+
 def without_connectivity_polling() -> None:
     """The node's channel to the SuperLink without Flower's connectivity subscription: grpcio
     serves a subscription from a thread that polls the channel every 0.2 s for as long as the
@@ -143,6 +155,7 @@ def slower_uvicorn_tick() -> None:
 def main() -> None:
     long_poll_tasks(wait_from_environment("FEDPAC_NODE_TASK_WAIT", 2.0))
     long_poll_replies(wait_from_environment("FEDPAC_NODE_REPLY_WAIT", 2.0))
+    long_poll_objects(wait_from_environment("FEDPAC_NODE_OBJECT_WAIT", 2.0))
     without_connectivity_polling()
     slower_uvicorn_tick()
     try:

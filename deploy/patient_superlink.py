@@ -14,7 +14,10 @@ a SuperNode's ``PullMessages`` until the ServerApp stores a message (an idle fed
 one pull per node every 2 s, and a message goes out as soon as it is stored), and the
 ServerApp's ``PullMessages`` until a SuperNode stores a reply (the ServerApp polls for replies
 every 0.1 s, ``server_app/grid.py``; each poll of the HTTP API costs the SuperLink about as
-much CPU as a client's whole message).
+much CPU as a client's whole message). Both ``PullObject``s (a SuperNode's, for a message's
+objects; the ServerApp's, for a reply's) wait up to ``FEDPAC_SUPERLINK_OBJECT_WAIT`` seconds
+(default 2; 0: off) for an object that is announced but not yet pushed, instead of answering
+"not available" and making the puller back off a whole second (``ObjectArrivals``).
 
     python deploy/patient_superlink.py --ssl-ca-certfile ... # flower-superlink's arguments
 
@@ -34,7 +37,7 @@ from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
 from flwr.superlink.cli.flower_superlink import flower_superlink
 from flwr.superlink.servicer.runtime import runtime_handlers
 
-from long_poll import LongPoll, wait_from_environment
+from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment
 
 
 def with_busy_timeout(pragmas: tuple[tuple[str, str], ...], milliseconds: int) -> tuple[tuple[str, str], ...]:
@@ -56,12 +59,19 @@ def long_poll_messages(wait: float) -> tuple[LongPoll, LongPoll]:
     return to_nodes, to_server
 
 
+def long_poll_objects(wait: float) -> ObjectArrivals:
+    """Make both ``PullObject`` handlers (Fleet API: SuperNodes; Runtime API: the ServerApp)
+    wait for an object that was announced but not yet pushed."""
+    return wait_for_objects(wait, [(message_handler, "pull_object"), (runtime_handlers, "pull_object")])
+
+
 def _has_messages(response) -> bool:  # noqa: ANN001  # a PullMessagesResponse of either API
     return len(response.messages_list) > 0
 
 
 def main() -> None:
     long_poll_messages(wait_from_environment("FEDPAC_SUPERLINK_PULL_WAIT", 2.0))
+    long_poll_objects(wait_from_environment("FEDPAC_SUPERLINK_OBJECT_WAIT", 2.0))
     raw = os.environ.get("FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS", "60000")
     if not raw.isdigit() or not 1000 <= int(raw) <= 600_000:
         sys.exit(f"patient_superlink: FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS must be 1000..600000, got {raw!r}")

@@ -1,6 +1,7 @@
 """The server benchmark compares like with like: its naive reference computes the same round."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -8,12 +9,22 @@ import numpy as np
 from common.aggregation import aggregate_round
 from common.collaboration import collaboration_matrix_direct, qp_objective
 
-# loaded by path: bench/ is not a package, and putting it on sys.path would shadow test helpers
-_spec = importlib.util.spec_from_file_location(
-    "bench_server_aggregation", Path(__file__).resolve().parents[1] / "bench" / "server_aggregation.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+
+def load_bench(name: str):  # noqa: ANN201
+    """bench/<name>.py, loaded by path: bench/ is not a package, and the scripts put their folder
+    on sys.path, where it would shadow the test helpers of the same names (federation.py)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+bench = load_bench("server_aggregation")
 naive_round, synthetic_round = bench.naive_round, bench.synthetic_round
 
 
@@ -31,3 +42,22 @@ def test_naive_reference_and_aggregate_round_agree():
         np.testing.assert_allclose(
             np.stack([h[key] for h in ours.heads]), np.stack([h[key] for h in heads]), atol=5e-3
         )
+
+
+def test_deployment_bench_variants_parse_and_set_their_environment_only_while_they_run(monkeypatch):
+    import argparse
+    import os
+
+    import pytest
+
+    deployment = load_bench("deployment")
+    label, overrides = deployment.parse_variant("object waits off:FEDPAC_X=0,FEDPAC_Y=")
+    assert label == "object waits off" and overrides == {"FEDPAC_X": "0", "FEDPAC_Y": ""}
+    for bad in ("no-colon", "label:", ":A=1", "label:A"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            deployment.parse_variant(bad)
+    monkeypatch.setenv("FEDPAC_X", "2")
+    monkeypatch.delenv("FEDPAC_Y", raising=False)
+    with deployment.environment(overrides):
+        assert os.environ["FEDPAC_X"] == "0" and os.environ["FEDPAC_Y"] == ""
+    assert os.environ["FEDPAC_X"] == "2" and "FEDPAC_Y" not in os.environ

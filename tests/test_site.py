@@ -171,6 +171,83 @@ def test_long_poll_answers_at_once_beyond_its_waiting_bound():
     first.join()
 
 
+class _Store:
+    """An object store as Flower's pull handlers see it: announced objects are b"" until put."""
+
+    def __init__(self, announced: list[str]) -> None:
+        self.objects = {object_id: b"" for object_id in announced}
+
+    def put(self, object_id: str, content: bytes) -> None:
+        self.objects[object_id] = content
+
+
+def _pull_object_handler(store: _Store):  # noqa: ANN202
+    from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=no-name-in-module
+
+    def pull_object(request, state=None, task=None):  # noqa: ANN001, ANN202, ARG001  # Flower's signature
+        content = store.objects.get(request.object_id)
+        if content is None:
+            return PullObjectResponse(object_found=False, object_available=False)
+        return PullObjectResponse(object_found=True, object_available=content != b"", object_content=content)
+
+    return pull_object
+
+
+def test_an_early_object_pull_waits_for_that_object_and_no_other(monkeypatch):
+    """Flower's puller backs off a whole second after "not available yet": a pull that waits
+    is answered as soon as its object is stored, not by another object, and never for an
+    object nobody announced."""
+    from flwr.proto.message_pb2 import PullObjectRequest  # pylint: disable=no-name-in-module
+
+    arrivals = long_poll.ObjectArrivals(wait=1.0)
+    monkeypatch.setattr(_Store, "put", arrivals.producer(_Store.put))
+    store = _Store(["a", "b"])
+    pull = arrivals.handler(_pull_object_handler(store), long_poll.object_answered)
+
+    threading.Timer(0.2, store.put, args=("b", b"other")).start()
+    threading.Timer(0.4, store.put, args=("a", b"payload")).start()
+    started = time.monotonic()
+    response = pull(request=PullObjectRequest(object_id="a"))  # as the Fleet servicer calls it
+    assert response.object_available and response.object_content == b"payload"
+    assert 0.35 <= time.monotonic() - started < 0.8  # woken by "a", not by "b" at 0.2 s
+    assert arrivals._waiters == {}  # pylint: disable=protected-access  # nothing left behind
+
+    started = time.monotonic()
+    unknown = pull(PullObjectRequest(object_id="nobody-announced-it"), None, None)  # as the Runtime API
+    assert not unknown.object_found and time.monotonic() - started < 0.1
+
+    store.objects["late"] = b""
+    started = time.monotonic()
+    assert not pull(PullObjectRequest(object_id="late")).object_available
+    assert 0.95 <= time.monotonic() - started < 1.5  # still not there: "not available" after the wait
+
+    off = long_poll.ObjectArrivals(wait=0.0).handler(_pull_object_handler(store), long_poll.object_answered)
+    started = time.monotonic()
+    assert not off(PullObjectRequest(object_id="late")).object_available and time.monotonic() - started < 0.1
+
+
+def test_object_pulls_of_many_waiters_all_wake_and_beyond_the_bound_answer_at_once(monkeypatch):
+    from flwr.proto.message_pb2 import PullObjectRequest  # pylint: disable=no-name-in-module
+
+    arrivals = long_poll.ObjectArrivals(wait=2.0, max_waiting=3)
+    monkeypatch.setattr(_Store, "put", arrivals.producer(_Store.put))
+    store = _Store(["x"])
+    pull = arrivals.handler(_pull_object_handler(store), long_poll.object_answered)
+    answers: list[bool] = []
+    waiting = [threading.Thread(target=lambda: answers.append(pull(PullObjectRequest(object_id="x")).object_available))
+               for _ in range(3)]
+    for thread in waiting:
+        thread.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert not pull(PullObjectRequest(object_id="x")).object_available  # a fourth: the bound is 3
+    assert time.monotonic() - started < 0.1
+    store.put("x", b"data")
+    for thread in waiting:
+        thread.join(timeout=1.0)
+    assert answers == [True, True, True]
+
+
 def test_launchers_make_flowers_pull_handlers_long_polls(monkeypatch):
     """The patch points exist in this Flower (else the launchers are stale) and get wrapped."""
     from flwr.server.superlink.fleet.message_handler import message_handler
@@ -179,15 +256,23 @@ def test_launchers_make_flowers_pull_handlers_long_polls(monkeypatch):
     from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
     from flwr.supernode.servicer.runtime import runtime_handlers as node_handlers
 
-    for owner, name in [(message_handler, "pull_messages"), (link_handlers, "pull_messages"),
-                        (node_handlers, "acquire_task"), (InMemoryNodeState, "create_task"),
-                        (InMemoryLinkState, "store_message_ins"), (InMemoryLinkState, "store_message_res")]:
+    from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+    from flwr.supercore.object_store.sql_object_store import SqlObjectStore
+
+    points = [(message_handler, "pull_messages"), (link_handlers, "pull_messages"), (node_handlers, "acquire_task"),
+              (message_handler, "pull_object"), (link_handlers, "pull_object"), (node_handlers, "pull_object"),
+              (InMemoryObjectStore, "put"), (SqlObjectStore, "put")]
+    for owner, name in points + [(InMemoryNodeState, "create_task"), (InMemoryLinkState, "store_message_ins"),
+                                 (InMemoryLinkState, "store_message_res")]:
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
-    originals = message_handler.pull_messages, link_handlers.pull_messages, node_handlers.acquire_task
+    originals = [getattr(owner, name) for owner, name in points]
     patient_superlink.long_poll_messages(1.0)
+    patient_superlink.long_poll_objects(1.0)
     fast_supernode.long_poll_tasks(1.0)
-    wrapped = message_handler.pull_messages, link_handlers.pull_messages, node_handlers.acquire_task
-    assert all(new is not old and new.__wrapped__ is old for new, old in zip(wrapped, originals))
+    fast_supernode.long_poll_objects(1.0)
+    wrapped = [getattr(owner, name) for owner, name in points]
+    # each launcher wraps what it serves (the stores twice here: both launchers in one process)
+    assert all(new is not old and inspect.unwrap(new) is old for new, old in zip(wrapped, originals))
 
 
 def test_a_node_waits_for_its_clientapps_reply_as_a_long_poll(monkeypatch):
