@@ -22,10 +22,12 @@ does not starve the SuperNodes and the SuperLink; and the nodes' workers share t
 cores as the simulation's clients do, at most one training per core at a time
 (``--host-slots``, default the number of cores; 0 lets all N train at once, as N hosts would).
 Reported: median round wall time over rounds 2..R of each, the ratio deployment / simulation,
-and the largest per-round accuracy difference. Then a per-message breakdown, measured in a
-fresh process like the one Flower's own executor starts for every message: interpreter and
-imports, data loading, device set-up, compute, reply; and the same for a second message in the
-same process (what a warm worker pays).
+and the largest per-round accuracy difference; with ``--cpu-profile`` also each deployment's CPU
+seconds per round by kind of process (SuperLink, ServerApp, SuperNodes, executors, ClientApp
+workers, other) and the host's idle time, over rounds 2..R-1 (``bench/cpu_profile.py``).
+Then a per-message breakdown, measured in a fresh process like the one Flower's own executor
+starts for every message: interpreter and imports, data loading, device set-up, compute, reply;
+and the same for a second message in the same process (what a warm worker pays).
 
     python bench/deployment.py --clients 20 --rounds 5 --out bench/results
 """
@@ -48,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu_profile import ProcessCpu  # noqa: E402
 from tests.deployment import Federation, create_certificates, rounds_of  # noqa: E402
 
 
@@ -81,7 +84,10 @@ def wait_for_rounds(out: Path, rounds: int, timeout: float) -> None:
         time.sleep(1.0)
 
 
-def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, data: Path) -> list[dict]:
+def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int,
+           data: Path) -> tuple[list[dict], dict[str, float]]:
+    """The deployment's rounds, and with ``--cpu-profile`` the host's CPU seconds per round by
+    process kind (rounds 2..R-1; ``bench/cpu_profile.py``)."""
     work.mkdir(parents=True)
     os.environ["FEDPAC_HOST_SLOTS"], os.environ["FEDPAC_HOST_SLOTS_DIR"] = str(args.host_slots), str(work / "slots")
     certs = create_certificates(work / "certs", args.clients)
@@ -94,11 +100,19 @@ def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int, dat
         out = work / "out"
         config = {**paper_config(args), "num-server-rounds": rounds, "output-dir": str(out)}
         run_id = federation.submit(" ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
-        wait_for_rounds(out, rounds, args.timeout)
+        started = time.monotonic()
+        wait_for_rounds(out, 1, args.timeout)
+        # rounds 2..R-1: neither the first messages nor the final evaluation; the sampler reads
+        # every process's /proc entry every 0.5 s, which costs the host about 0.1 cores
+        with ProcessCpu() if args.cpu_profile else contextlib.nullcontext() as cpu:
+            wait_for_rounds(out, max(1, rounds - 1), args.timeout - (time.monotonic() - started))
+        wait_for_rounds(out, rounds, args.timeout - (time.monotonic() - started))
         status = federation.wait(run_id, timeout=120)
         if status != "finished:completed":
             raise RuntimeError(f"{executor} deployment run {status}:\n{federation.log(run_id)[-3000:]}")
-        return rounds_of(out)
+        measured = max(1, rounds - 2)
+        profile = {kind: seconds / measured for kind, seconds in cpu.seconds.items()} if cpu else {}
+        return rounds_of(out), profile
     finally:
         federation.close()
 
@@ -193,6 +207,9 @@ def main() -> None:
                      help="seconds between starting the SuperNodes and submitting the run")
     cli.add_argument("--host-slots", type=int, default=os.cpu_count() or 1,
                      help="trainings at once on this host (default: its cores; 0: no limit)")
+    cli.add_argument("--cpu-profile", action="store_true",
+                     help="also report each deployment's CPU seconds per round by kind of process "
+                          "(the sampling costs the host about 0.1 cores: off for the ratio)")
     cli.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL:KEY=VALUE,...",
                      help="also run the deployment with these environment variables (repeatable)")
     cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -207,17 +224,19 @@ def main() -> None:
     results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset,
                      "superlink_database": args.superlink_database, "host_slots": args.host_slots}
     data = export_partitions(args, work / "data")
-    timed = {"simulation": simulate(args, work / "simulation"),
-             "deployment": deploy(args, work / "warm", "warm", args.rounds, data)}
+    timed = {"simulation": simulate(args, work / "simulation")}
+    timed["deployment"], profile = deploy(args, work / "warm", "warm", args.rounds, data)
+    results["deployment"] = {"cpu_seconds_per_round": profile}
     if args.cold_rounds:
         try:
-            timed["deployment, cold executor"] = deploy(args, work / "cold", "cold", args.cold_rounds, data)
+            timed["deployment, cold executor"], _ = deploy(args, work / "cold", "cold", args.cold_rounds, data)
         except RuntimeError as err:  # the "before" is a reference: its failure is reported, not fatal
             print(f"cold-executor deployment failed: {str(err)[:500]}")
     for number, (label, overrides) in enumerate(args.variant):
         with environment(overrides):
-            timed[f"deployment, {label}"] = deploy(args, work / f"variant-{number}", "warm", args.rounds, data)
-        results[f"deployment, {label}"] = {"environment": overrides}
+            name = f"deployment, {label}"
+            timed[name], profile = deploy(args, work / f"variant-{number}", "warm", args.rounds, data)
+        results[name] = {"environment": overrides, "cpu_seconds_per_round": profile}
     for name, rounds in timed.items():
         results[name] = {**results.get(name, {}), "round_seconds": [float(r["seconds"]) for r in rounds],
                          "accuracy": [float(r["mean_accuracy"]) for r in rounds],
@@ -245,6 +264,10 @@ def main() -> None:
           f"difference {100 * results['max_accuracy_difference']:.4f} points")
     for label, _ in args.variant:
         print(f"deployment, {label} / simulation: {results[f'deployment, {label}']['ratio']:.2f}x")
+    for name, result in results.items():
+        if isinstance(result, dict) and result.get("cpu_seconds_per_round"):
+            print(f"{name}: CPU seconds per round (rounds 2..R-1) "
+                  + ", ".join(f"{kind} {seconds:.2f}" for kind, seconds in result["cpu_seconds_per_round"].items()))
     for kind, parts in results["message_breakdown"].items():
         fixed = sum(v for k, v in parts.items() if k != "compute")
         print(f"{kind} message: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())

@@ -113,13 +113,28 @@ class HostSlots:
             yield
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        while (descriptor := self._take_one()) is None:
-            time.sleep(self.retry_interval)
+        descriptor = self._take_one()
+        if descriptor is None:
+            # Wait in line: only the first in line looks for a free slot every retry_interval,
+            # the others sleep in the kernel on the line's lock (18 nodes looking 50 times a
+            # second took 6 % of a 2-core host from the 2 that train).
+            with self._first_in_line():
+                while (descriptor := self._take_one()) is None:
+                    time.sleep(self.retry_interval)
         try:
             yield
         finally:
             fcntl.flock(descriptor, fcntl.LOCK_UN)
             os.close(descriptor)
+
+    @contextlib.contextmanager
+    def _first_in_line(self) -> Iterator[None]:
+        line = os.open(self.directory / "line.lock", os.O_CREAT | os.O_RDONLY, 0o666)
+        try:
+            fcntl.flock(line, fcntl.LOCK_EX)  # blocks until the one before has its slot
+            yield
+        finally:
+            os.close(line)  # releases the line
 
     def _take_one(self) -> int | None:
         for slot in range(self.count):

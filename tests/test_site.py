@@ -368,6 +368,37 @@ def test_host_slots_let_at_most_count_holders_in_at_once(tmp_path):
         assert not (tmp_path / "unused").exists()
 
 
+def test_host_slot_waiters_wait_in_line_and_only_the_first_looks_for_a_free_slot(tmp_path, monkeypatch):
+    slots = warm_executor.HostSlots(tmp_path / "slots", 1, retry_interval=0.02)
+    looks = [0]
+    take_one = warm_executor.HostSlots._take_one  # pylint: disable=protected-access
+
+    def counted(self):  # noqa: ANN001, ANN202
+        looks[0] += 1
+        return take_one(self)
+
+    monkeypatch.setattr(warm_executor.HostSlots, "_take_one", counted)
+    order: list[int] = []
+
+    def hold(number: int) -> None:
+        with slots.held():
+            order.append(number)
+            time.sleep(0.1)
+
+    first = threading.Thread(target=hold, args=(0,))
+    first.start()
+    time.sleep(0.05)
+    waiting = [threading.Thread(target=hold, args=(n,)) for n in range(1, 6)]
+    for thread in waiting:
+        thread.start()
+    for thread in [first, *waiting]:
+        thread.join()
+    assert sorted(order) == list(range(6))
+    # 0.5 s of waiting: one waiter looking every 0.02 s is about 25 looks (+ one on arrival each);
+    # five waiters all looking would be about 5 x 25 / 2 = 60
+    assert looks[0] < 45, looks[0]
+
+
 def test_packed_records_keep_names_dtypes_and_shapes_in_one_array():
     arrays = {"extractor.0.weight": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
               "client-3/head.bias": np.array([1, 2], dtype=np.int64), "mask": np.array([True, False])}
