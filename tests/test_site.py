@@ -479,3 +479,21 @@ def test_every_worker_watches_its_executor(monkeypatch):
     endpoint = warm_executor.RuntimeEndpoint("127.0.0.1:1", True, None)
     warm_executor.worker_main(theirs, endpoint, warm_executor.WorkerOptions(), 4242)
     assert watched == [(4242, True)]
+
+
+def test_the_app_bundle_a_site_receives_holds_the_apps_packages_only(tmp_path):
+    """The FAB travels to every ClientApp with every message: it carries what the apps import,
+    not the tests, benchmarks, experiments, docs and results of this repository."""
+    import zipfile
+
+    from tests.deployment import BIN
+
+    env = {"FLWR_HOME": str(tmp_path / "home"), "PATH": f"{BIN}:/usr/bin:/bin"}
+    subprocess.run([str(BIN / "flwr"), "build", "--app", str(ROOT)], cwd=tmp_path, env=env, check=True,
+                   capture_output=True)
+    (fab,) = tmp_path.glob("*.fab")
+    members = zipfile.ZipFile(fab).namelist()
+    packages = {name.split("/")[0] for name in members if "/" in name}
+    assert packages == {"common", "server_app", "client_app", ".info"}, packages
+    assert {"server_app/app.py", "client_app/app.py", "common/methods.py", "pyproject.toml"} <= set(members)
+    assert fab.stat().st_size < 500_000
