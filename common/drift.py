@@ -22,6 +22,7 @@ generalized test set) derive the same concept independently. Nothing here touche
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,14 @@ class Drift:
 
         return cls(cfg.drift, configured_drift_rounds(cfg))
 
+    @classmethod
+    def from_fields(cls, config: Mapping[str, Any]) -> "Drift":
+        """The drift of a validated run config given as its fields (a checkpoint's or a run
+        folder's config; absent fields at their defaults: no drift)."""
+        from common.config import parse_drift_rounds  # pylint: disable=import-outside-toplevel
+
+        return cls(str(config.get("drift", "none")), parse_drift_rounds(str(config.get("drift_rounds", ""))) or ())
+
     @property
     def effective_rounds(self) -> tuple[int, ...]:
         """The 0-based drift rounds in force: the given ones, or the pattern's defaults."""
@@ -105,6 +114,26 @@ class Drift:
     def active(self) -> bool:
         """Whether any label ever changes."""
         return self.pattern != "none"
+
+
+# The run-config fields (validated, as a dict) that describe the drift.
+DRIFT_FIELDS = ("drift", "drift_rounds")
+
+
+def first_change(drift: Drift) -> int | None:
+    """The first 1-based server round in which some client's labels differ from the original
+    (None: they never do)."""
+    return drift.change_rounds[0] if drift.active else None
+
+
+def concepts_agree(a: Drift, b: Drift, server_rounds: int) -> bool:
+    """Whether every client sees the same concept under ``a`` and ``b`` in server rounds
+    1..``server_rounds``: the same drift, or two that change no label before then. A run under
+    one can then continue the other's first ``server_rounds`` rounds exactly (the recurrent and
+    incremental drifts of the paper share their first 100 rounds with the sudden one)."""
+    if a == b or (a.effective_rounds == b.effective_rounds and a.pattern == b.pattern):
+        return True
+    return all(change is None or server_rounds < change for change in (first_change(a), first_change(b)))
 
 
 def group_concept(partition_id: int) -> int:

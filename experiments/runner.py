@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.drift import DRIFT_FIELDS, Drift, concepts_agree
 from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
 from experiments.summary import (
     RunOutputs,
@@ -167,7 +168,9 @@ def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
     """``--extend``: the longest finished shorter run of the same configuration, which this
     cell can continue exactly (a resume repeats every round bit for bit). None when there is
     none, or when the shorter run's last round differs from the same round of a longer run
-    (sampled rounds with every client in the last round)."""
+    (sampled rounds with every client in the last round). A shorter run under another drift
+    counts as the same configuration while neither drift has changed a label yet (the
+    recurrent and incremental cells continue a 100-round sudden-drift run)."""
     config = cell.identity["config"]
     if config["fraction_train"] < 1.0 and config["full_last_round"]:
         return None
@@ -179,10 +182,18 @@ def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
         for run in runs:
             if (run is not None and run.finished and run.completed_rounds < cell.rounds
                     and run.completed_rounds == run.config.get("num_server_rounds")
-                    and same_computation(run.config, config, ignore=("num_server_rounds",))
+                    and same_computation(run.config, config, ignore=_extension_ignores(run, config))
                     and (best is None or run.completed_rounds > best.completed_rounds)):
                 best = run
     return best
+
+
+def _extension_ignores(run: RunOutputs, config: dict) -> tuple[str, ...]:
+    """The fields a run that ``config`` would continue may differ in: its length, and its drift
+    while no label has changed under either drift in the run's rounds."""
+    if concepts_agree(Drift.from_fields(run.config), Drift.from_fields(config), run.completed_rounds):
+        return ("num_server_rounds", *DRIFT_FIELDS)
+    return ("num_server_rounds",)
 
 
 def results_of(experiment: Experiment, out: Path) -> Results:

@@ -17,6 +17,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.aggregation import Clustering
 from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
+from common.drift import DRIFT_FIELDS, Drift, concepts_agree
 from common.methods import METHODS
 from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
@@ -113,7 +114,7 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
             f"run config 'resume-from': checkpoint is a '{checkpoint.strategy}' run, this run's "
             f"strategy is '{cfg.strategy}'"
         )
-    differences = config_differences(checkpoint.config, asdict(cfg))
+    differences = config_differences(checkpoint.config, asdict(cfg), checkpoint.completed_rounds)
     if differences:
         raise ConfigError(
             f"run config 'resume-from': this run's config differs from the checkpoint's, so it would "
@@ -131,13 +132,19 @@ RESUMABLE_KEYS = frozenset({
 })
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """``key: checkpoint's value -> this run's`` for every key that changes the computation
-    (an older checkpoint without a saved config has none to compare)."""
+def config_differences(saved: dict, current: dict, completed_rounds: int) -> list[str]:
+    """``key: checkpoint's value -> this run's`` for every key that changes the computation of
+    the rounds after ``completed_rounds`` (an older checkpoint without a saved config has none to
+    compare). The drift may change while no label has changed yet under either drift: the
+    checkpoint's rounds are then those of this run too (a recurrent or incremental drift run
+    continues a sudden one's first 100 rounds)."""
+    ignored = set(RESUMABLE_KEYS)
+    if concepts_agree(Drift.from_fields(saved), Drift.from_fields(current), completed_rounds):
+        ignored.update(DRIFT_FIELDS)
     return [
         f"{FedPACConfig.key(name)}: {saved[name]!r} -> {current[name]!r}"
         for name in sorted(saved)
-        if name in current and name not in RESUMABLE_KEYS and saved[name] != current[name]
+        if name in current and name not in ignored and saved[name] != current[name]
     ]
 
 

@@ -210,3 +210,19 @@ def test_heads_on_one_extractor_share_one_pass_over_the_whole_test_set(monkeypat
     assert len(passes) == 1
     measured(1e-3)  # the next round's extractor: extracted again, never served stale features
     assert len(passes) == 2
+
+
+def test_drifts_agree_until_either_changes_a_label():
+    from common.drift import Drift, concepts_agree, first_change
+
+    sudden, recurrent, incremental = Drift("sudden"), Drift("recurrent"), Drift("incremental")
+    assert first_change(sudden) == first_change(recurrent) == first_change(incremental) == 101
+    assert first_change(Drift("none")) is None
+    for other in (recurrent, incremental, Drift("none")):
+        assert concepts_agree(sudden, other, 100) and not concepts_agree(sudden, other, 101)
+    assert concepts_agree(Drift("sudden", (100,)), sudden, 200)  # the same drift, its defaults spelled out
+    assert concepts_agree(Drift("none"), Drift("none"), 10**6)
+    assert not concepts_agree(Drift("sudden", (5,)), Drift("sudden", (6,)), 6)
+    assert concepts_agree(Drift("sudden", (5,)), Drift("sudden", (6,)), 5)
+    assert Drift.from_fields({}) == Drift("none")  # a checkpoint from before drift existed
+    assert Drift.from_fields({"drift": "recurrent", "drift_rounds": "3,4"}) == Drift("recurrent", (3, 4))

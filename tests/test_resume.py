@@ -132,3 +132,29 @@ def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
     (run_dir / "checkpoint.npz").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or not a checkpoint"):
         load_checkpoint(run_dir)
+
+
+def test_a_run_continues_another_drifts_rounds_while_no_label_has_changed(tmp_path):
+    """The recurrent and incremental drifts share their first rounds with the sudden one: a run
+    under one continues a run under another exactly, up to the first round whose labels differ."""
+    drift = {**BASE, "num-server-rounds": 5, "full-last-round": False}  # a last round like any other
+    recurrent = {**drift, "drift": "recurrent", "drift-rounds": "3,4"}  # swapped in round 4, back in 5
+    full, full_report = _run({**recurrent, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
+
+    sudden = {**drift, "drift": "sudden", "drift-rounds": "3", "num-server-rounds": 3}  # rounds 1-3: no change
+    _run({**sudden, "output-dir": str(tmp_path / "sudden")}, grid_seed=2, run_id=2)
+    (sudden_dir,) = (tmp_path / "sudden").iterdir()
+    continued, report = _run({**recurrent, "output-dir": str(tmp_path / "continued"), "resume-from": str(sudden_dir)},
+                             grid_seed=3, run_id=3)
+    assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
+    for key, value in full.extractor.items():
+        np.testing.assert_array_equal(continued.extractor[key], value)
+    for pid, head in full.heads.items():
+        for key, value in head.items():
+            np.testing.assert_array_equal(continued.heads[pid][key], value)
+
+    # one round further, the sudden run's labels have changed: not the recurrent run's rounds
+    _run({**sudden, "num-server-rounds": 4, "output-dir": str(tmp_path / "later")}, grid_seed=2, run_id=4)
+    (later_dir,) = (tmp_path / "later").iterdir()
+    with pytest.raises(ConfigError, match="drift: 'sudden' -> 'recurrent'"):
+        _run({**recurrent, "output-dir": str(tmp_path / "refused"), "resume-from": str(later_dir)}, grid_seed=1)

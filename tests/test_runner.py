@@ -291,6 +291,26 @@ def test_extend_continues_the_longest_finished_shorter_run_of_the_same_configura
     assert sampled.calls[0][2] is None
 
 
+def test_extend_continues_a_shorter_run_under_another_drift_only_before_any_label_changed(tmp_path):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    sudden = ["--set", "drift=sudden", "--set", "drift-rounds='3'"]  # labels change from round 4
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "3", *sudden],
+                execute=FakeSimulation()) == 0
+    recurrent = ["--set", "drift=recurrent", "--set", "drift-rounds='3,5'"]
+    extending = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "8", "--extend", *recurrent],
+                execute=extending) == 0
+    (call,) = extending.calls
+    assert call[2] is not None and json.loads((call[2] / "metrics.json").read_text())["config"]["drift"] == "sudden"
+    # a sudden run past its drift is another computation than a recurrent drift's
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "4", *sudden],
+                execute=FakeSimulation()) == 0
+    later = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "9", "--extend",
+                 "--set", "drift=incremental", "--set", "drift-rounds='2,3,4'"], execute=later) == 0
+    assert later.calls[0][2] is None  # its labels change from round 3: neither sudden run is its own
+
+
 def test_cells_written_before_the_config_grew_are_still_found(tmp_path):
     """A run config stored without fields added since (at their defaults) is the same cell."""
     grid, out = _grid(tmp_path), tmp_path / "out"
