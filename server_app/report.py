@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 from flwr.supercore import log
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from common.config import parse_drift_rounds
 from common.drift import Drift
 from common.files import atomic_write
 from common.protocol import RHO
@@ -392,24 +392,29 @@ class RunReport:
 
     def drift_rounds(self) -> tuple[int, ...]:
         """The first rounds of a new concept, for the plot's markers (none without drift)."""
-        rounds = parse_drift_rounds(str(self.config.get("drift_rounds", ""))) or ()
-        drift = Drift(str(self.config.get("drift", "none")), rounds)
-        return tuple(r for r in drift.change_rounds if r <= self.num_rounds)
+        return tuple(r for r in Drift.from_fields(self.config).change_rounds if r <= self.num_rounds)
 
     def plot_clusters(self, records: Sequence[RoundRecord], path: Path) -> None:
-        """Clusters per class over the rounds: how the clients' concepts of each class split."""
+        """Clusters per class over the rounds, one row per class and one column per round (a
+        line per class over hundreds of rounds is unreadable): how the clients' concepts of
+        each class split at a drift and merge again."""
         measured = [r for r in records if r.clusters]
+        num_classes, last = len(measured[-1].clusters), records[-1].round
+        counts = np.full((num_classes, last), np.nan)
+        for r in measured:
+            counts[: len(r.clusters), r.round - 1] = r.clusters_per_class
+        most = max(2, int(np.nanmax(counts)))
         fig, ax = _figure(6, 4)
-        for c in range(len(measured[-1].clusters)):
-            ax.plot([r.round for r in measured], [r.clusters_per_class[c] for r in measured],
-                    marker=".", label=f"class {c}")
+        image = ax.imshow(counts, aspect="auto", interpolation="nearest", origin="lower",
+                          extent=(0.5, last + 0.5, -0.5, num_classes - 0.5),
+                          cmap=colormaps["viridis"].resampled(most), vmin=0.5, vmax=most + 0.5)
+        fig.colorbar(image, ax=ax, ticks=range(1, most + 1), label="clusters")
         for change in self.drift_rounds():
-            ax.axvline(change, color="red", linestyle=":", alpha=0.7)
-        ax.set_xlabel("round")
-        ax.set_ylabel("clusters")
-        ax.set_title(f"{self.config.get('strategy', '')}: clusters per class")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper left")
+            ax.axvline(change - 0.5, color="red", linestyle=":", alpha=0.9)
+        ax.set_yticks(range(num_classes))
+        ax.set_xlabel("round (red: concept drift)" if self.drift_rounds() else "round")
+        ax.set_ylabel("class")
+        ax.set_title(f"{self.config.get('strategy', '')}: clusters of clients per class")
         self._save(fig, path)
 
     def plot_confidence(self, records: Sequence[RoundRecord], path: Path) -> None:
