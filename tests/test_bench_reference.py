@@ -61,3 +61,24 @@ def test_deployment_bench_variants_parse_and_set_their_environment_only_while_th
     with deployment.environment(overrides):
         assert os.environ["FEDPAC_X"] == "0" and os.environ["FEDPAC_Y"] == ""
     assert os.environ["FEDPAC_X"] == "2" and "FEDPAC_Y" not in os.environ
+
+
+def test_cpu_profile_sorts_processes_by_what_they_are_and_counts_a_busy_child():
+    import subprocess
+    import time
+
+    from bench.cpu_profile import KINDS, ProcessCpu, kind_of
+
+    assert kind_of("python deploy/patient_superlink.py --x", "bash") == "superlink"
+    assert kind_of("python .venv/bin/flwr-serverapp --token t", "flower-superexec") == "serverapp"
+    assert kind_of("python deploy/fast_supernode.py --superlink l", "bash") == "supernodes"
+    assert kind_of("python deploy/warm_executor.py --runtime-api-address a", "bash") == "executors"
+    assert kind_of("python -c from multiprocessing.spawn import spawn_main", "python deploy/warm_executor.py") \
+        == "clientapp workers"
+    assert kind_of("python -c from multiprocessing.spawn import spawn_main", "ray::worker") == "other"
+    with ProcessCpu(interval=0.1) as cpu:
+        spinner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"])
+        spinner.wait()
+        time.sleep(0.2)
+    assert set(cpu.seconds) == {*KINDS, "idle"}
+    assert cpu.seconds["other"] >= 0.3  # the child's 0.6 s of spinning, read from /proc while it ran
