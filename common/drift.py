@@ -131,9 +131,17 @@ def concepts_agree(a: Drift, b: Drift, server_rounds: int) -> bool:
     1..``server_rounds``: the same drift, or two that change no label before then. A run under
     one can then continue the other's first ``server_rounds`` rounds exactly (the recurrent and
     incremental drifts of the paper share their first 100 rounds with the sudden one)."""
-    if a == b or (a.effective_rounds == b.effective_rounds and a.pattern == b.pattern):
+    if a.pattern == b.pattern and a.effective_rounds == b.effective_rounds:
         return True
     return all(change is None or server_rounds < change for change in (first_change(a), first_change(b)))
+
+
+def drift_fields_free(saved: Mapping[str, Any], current: Mapping[str, Any], server_rounds: int) -> tuple[str, ...]:
+    """The drift fields in which a run config ``current`` may differ from ``saved`` and still
+    continue ``saved``'s first ``server_rounds`` rounds: all of them while the two drifts agree
+    (:func:`concepts_agree`), none otherwise."""
+    agree = concepts_agree(Drift.from_fields(saved), Drift.from_fields(current), server_rounds)
+    return DRIFT_FIELDS if agree else ()
 
 
 def group_concept(partition_id: int) -> int:

@@ -37,12 +37,16 @@ Handler = TypeVar("Handler", bound=Callable[..., Any])
 MAX_WAIT = 25.0  # seconds; the pollers' HTTP clients give up after 30
 
 
+def _check_wait(wait: float) -> None:
+    if not 0 <= wait <= MAX_WAIT:
+        raise ValueError(f"a long poll waits 0 to {MAX_WAIT:g} s (clients time out at 30 s), got {wait}")
+
+
 class LongPoll:
     """Wakes waiting poll handlers whenever a wrapped producer stored something."""
 
     def __init__(self, wait: float, max_waiting: int = 256) -> None:
-        if not 0 <= wait <= MAX_WAIT:
-            raise ValueError(f"a long poll waits 0 to {MAX_WAIT:g} s (clients time out at 30 s), got {wait}")
+        _check_wait(wait)
         self.wait, self.max_waiting = wait, max_waiting
         self._condition = threading.Condition()
         self._stored = 0  # how many times a producer stored something
@@ -103,8 +107,7 @@ class ObjectArrivals:
     """Wakes the pulls waiting for an object when that object is stored."""
 
     def __init__(self, wait: float, max_waiting: int = 256) -> None:
-        if not 0 <= wait <= MAX_WAIT:
-            raise ValueError(f"a long poll waits 0 to {MAX_WAIT:g} s (clients time out at 30 s), got {wait}")
+        _check_wait(wait)
         self.wait, self.max_waiting = wait, max_waiting
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiters] = {}

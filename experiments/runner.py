@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.drift import DRIFT_FIELDS, Drift, concepts_agree
+from common.drift import drift_fields_free
 from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
 from experiments.summary import (
     RunOutputs,
@@ -182,18 +182,11 @@ def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
         for run in runs:
             if (run is not None and run.finished and run.completed_rounds < cell.rounds
                     and run.completed_rounds == run.config.get("num_server_rounds")
-                    and same_computation(run.config, config, ignore=_extension_ignores(run, config))
+                    and same_computation(run.config, config, ignore=(
+                        "num_server_rounds", *drift_fields_free(run.config, config, run.completed_rounds)))
                     and (best is None or run.completed_rounds > best.completed_rounds)):
                 best = run
     return best
-
-
-def _extension_ignores(run: RunOutputs, config: dict) -> tuple[str, ...]:
-    """The fields a run that ``config`` would continue may differ in: its length, and its drift
-    while no label has changed under either drift in the run's rounds."""
-    if concepts_agree(Drift.from_fields(run.config), Drift.from_fields(config), run.completed_rounds):
-        return ("num_server_rounds", *DRIFT_FIELDS)
-    return ("num_server_rounds",)
 
 
 def results_of(experiment: Experiment, out: Path) -> Results:

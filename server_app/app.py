@@ -17,7 +17,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.aggregation import Clustering
 from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
-from common.drift import DRIFT_FIELDS, Drift, concepts_agree
+from common.drift import drift_fields_free
 from common.methods import METHODS
 from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
@@ -138,9 +138,7 @@ def config_differences(saved: dict, current: dict, completed_rounds: int) -> lis
     compare). The drift may change while no label has changed yet under either drift: the
     checkpoint's rounds are then those of this run too (a recurrent or incremental drift run
     continues a sudden one's first 100 rounds)."""
-    ignored = set(RESUMABLE_KEYS)
-    if concepts_agree(Drift.from_fields(saved), Drift.from_fields(current), completed_rounds):
-        ignored.update(DRIFT_FIELDS)
+    ignored = RESUMABLE_KEYS | set(drift_fields_free(saved, current, completed_rounds))
     return [
         f"{FedPACConfig.key(name)}: {saved[name]!r} -> {current[name]!r}"
         for name in sorted(saved)
