@@ -39,6 +39,7 @@ import contextlib
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -220,7 +221,18 @@ def main() -> None:
     os.environ.setdefault("FEDPAC_WORKER_NICE", "10")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fedpac-deploy-bench-"))
+    try:
+        results, settings = measure(args, work)
+    except BaseException:
+        print(f"the federations' files are kept for inspection in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    report(args, results, settings)
 
+
+def measure(args: argparse.Namespace, work: Path) -> tuple[dict, list[str]]:
+    """Run the simulation, the deployments and the message breakdown: the results, and the
+    names of the settings whose rounds were timed."""
     results: dict = {"clients": args.clients, "rounds": args.rounds, "dataset": args.dataset,
                      "superlink_database": args.superlink_database, "host_slots": args.host_slots}
     data = export_partitions(args, work / "data")
@@ -248,7 +260,11 @@ def main() -> None:
         variant["ratio"] = variant["median_round_seconds"] / sim["median_round_seconds"]
     results["max_accuracy_difference"] = max(abs(a - b) for a, b in zip(sim["accuracy"], dep["accuracy"]))
     results["message_breakdown"] = message_breakdown(args)
+    return results, list(timed)
 
+
+def report(args: argparse.Namespace, results: dict, timed: list[str]) -> None:
+    """Write deployment.json and deployment.csv and print the summary."""
     (args.out / "deployment.json").write_text(json.dumps(results, indent=2) + "\n")
     with open(args.out / "deployment.csv", "w", newline="") as stream:
         writer = csv.writer(stream)

@@ -15,6 +15,7 @@ from client_app.train import LocalUpdate, Received, evaluate_head, extract_featu
 from client_app.train import evaluate as evaluate_model
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
+from common.cpu import keep_freed_memory
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.drift import Drift, label_map
 from common.methods import METHODS
@@ -147,6 +148,7 @@ def evaluate_round_of(msg: Message, server_round: int) -> int | None:
 
 
 def _setup(msg: Message, context: Context):
+    keep_freed_memory()  # once per process: no page faults for every batch's tensors
     cfg = parse_run_config(context.run_config)
     partition_id, num_partitions = partition_of(context)
     device = select_device(cfg.device)

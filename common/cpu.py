@@ -6,13 +6,27 @@ and throughput collapses (measured on 2 cores: the collaboration QPs 31x slower,
 update 7x). One thread does not wait for anybody, so the server's collaboration QPs run on one
 thread whenever another process is running, and on the library's default only on an idle
 machine (OpenBLAS's products give the same bits on any thread count, so this keeps runs exact).
+
+The training processes also keep the memory they free (``keep_freed_memory``): see there.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import glob
 import os
 import time
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks up to this size come from the heap, not from a mapping of their own: above any
+# activation batch of the models here (a 64-sample batch of 32 x 28 x 28 floats is 6.4 MB).
+MMAP_THRESHOLD = 32 << 20
+# Free memory at the top of the heap is given back to the kernel only above this much.
+TRIM_THRESHOLD = 64 << 20
 
 
 def others_running(samples: int = 3) -> bool:
@@ -37,3 +51,25 @@ def others_running(samples: int = 3) -> bool:
         return True
     return not os.path.isdir("/proc/self/task")
 
+
+@functools.lru_cache(maxsize=1)
+def keep_freed_memory() -> bool:
+    """Let this process keep the memory it frees for its next allocations (glibc only; a no-op
+    returning False elsewhere). Returns whether the setting took.
+
+    By default glibc gives every block of 128 kB or more a mapping of its own and unmaps it on
+    free, and hands freed heap tops back to the kernel; the kernel must then zero every page
+    again on first touch. A local update allocates and frees its activations and gradients at
+    every batch: FedPAC's update of 600 Fashion-MNIST images caused about 21,000 page faults
+    (some 85 MB zeroed), 6-8 % of its time on one core, and the same again in every message of a
+    warm ClientApp. With both thresholds raised the same update causes almost none; the
+    process's memory stays at its working set (tens of MB) instead of shrinking between batches.
+    """
+    name = ctypes.util.find_library("c")
+    if not name or not hasattr(os, "sched_getaffinity"):  # not Linux
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # musl and other libcs without mallopt
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -60,7 +60,7 @@ def test_python_certificates_are_what_certs_sh_makes(tmp_path):
         key = load_ssh_private_key((certs / "keys" / f"supernode-{pid}").read_bytes(), password=None)
         public = load_ssh_public_key((certs / "keys" / f"supernode-{pid}.pub").read_bytes())
         assert key.public_key().public_numbers() == public.public_numbers()
-        assert key.curve.name == "secp384r1"
+        assert key.curve.name == "secp256r1"
         assert (certs / "keys" / f"supernode-{pid}").stat().st_mode & 0o077 == 0
 
 

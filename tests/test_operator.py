@@ -84,6 +84,9 @@ def test_certs_create_makes_a_verified_set_and_nothing_else(tmp_path):
     assert "DNS:fedpac.example.org" in sans(out / "superlink.crt")
     assert "IP Address:203.0.113.7" in sans(out / "superlink.crt")
     assert (out / "superlink.key").stat().st_mode & 0o077 == 0
+    # P-256 node keys: each node signs, and the SuperLink verifies, every request (P-384: 7x the CPU)
+    for pid in range(2):
+        assert (out / "keys" / f"supernode-{pid}.pub").read_text().startswith("ecdsa-sha2-nistp256 ")
     no_leftovers(out)
     # a re-run with the same names (any order, IPs in any spelling) changes nothing
     before = listing(out)

@@ -106,3 +106,27 @@ def test_mixed_precision_trains_and_keeps_float32_weights():
     assert all(_changed(head_before, model.head))
     assert torch.isfinite(torch.tensor([update.train_loss, update.head_loss, update.align_loss])).all()
     assert update.centroids.dtype == torch.float32
+
+
+
+def test_a_training_process_keeps_the_memory_it_frees():
+    """Without ``keep_freed_memory`` glibc unmaps every large block a batch frees and the kernel
+    zeroes its pages again at the next batch (thousands of page faults per update); with it, a
+    warm process trains without faulting (``bench/freed_memory.py`` times the difference)."""
+    import importlib.util
+    import statistics
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "freed_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_freed_memory", path)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kept = bench.update_costs(keep=True, epochs=1)
+    if not kept["kept"]:
+        pytest.skip("mallopt is glibc's: this libc keeps its own policy")
+    default = bench.update_costs(keep=False, epochs=1)
+    kept_faults, default_faults = (statistics.median(run["faults"]) for run in (kept, default))
+    assert kept_faults < 1000 and default_faults > 5 * kept_faults, (kept, default)

@@ -42,7 +42,7 @@ class Stop(Exception):
 
 def python_certificates(directory: Path, num_nodes: int) -> Path:
     """What ``deploy/certs.sh create`` makes (a CA, the SuperLink's certificate for localhost,
-    an ECDSA P-384 key pair per SuperNode), made with ``cryptography`` (a Flower requirement)
+    an ECDSA P-256 key pair per SuperNode), made with ``cryptography`` (a Flower requirement)
     for a host without openssl or ssh-keygen."""
     # pylint: disable=import-outside-toplevel
     import ipaddress
@@ -82,7 +82,7 @@ def python_certificates(directory: Path, num_nodes: int) -> Path:
     (directory / "superlink.crt").write_bytes(link_cert.public_bytes(serialization.Encoding.PEM))
     (directory / "superlink.key").write_bytes(pem_key(link_key))
     for pid in range(num_nodes):
-        key = ec.generate_private_key(ec.SECP384R1())
+        key = ec.generate_private_key(ec.SECP256R1())  # as deploy/certs.sh: every request is signed
         private = directory / "keys" / f"supernode-{pid}"
         private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                               serialization.NoEncryption()))
