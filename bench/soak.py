@@ -131,11 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for soak.csv/.json/.png")
+    parser.add_argument("--outputs", type=Path, default=None,
+                        help="folder for the run's own outputs (default: a new temporary folder, kept and named)")
     args = parser.parse_args(argv)
 
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
-    out = Path(tempfile.mkdtemp(prefix="fedpac-soak-"))
+    out = args.outputs or Path(tempfile.mkdtemp(prefix="fedpac-soak-"))
     run_config = {
         "num-server-rounds": args.rounds, "fraction-train": args.fraction, "fraction-evaluate": args.fraction,
         "min-available-clients": args.clients, "seed": args.seed, "output-dir": str(out),

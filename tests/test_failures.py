@@ -25,7 +25,8 @@ def _fails(server_round: int, message_type: str, pid: int) -> bool:
 def test_clients_that_raise_cost_their_replies_not_the_run(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--clients", str(CLIENTS), "--fraction", "1",
-         "--rounds", str(ROUNDS), "--failure-rate", str(RATE), "--seed", str(SEED), "--results", str(tmp_path)],
+         "--rounds", str(ROUNDS), "--failure-rate", str(RATE), "--seed", str(SEED), "--results", str(tmp_path),
+         "--outputs", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
