@@ -17,6 +17,7 @@ import ctypes.util
 import functools
 import glob
 import os
+import sys
 import time
 
 # glibc's mallopt parameters (malloc.h)
@@ -66,7 +67,7 @@ def keep_freed_memory() -> bool:
     process's memory stays at its working set (tens of MB) instead of shrinking between batches.
     """
     name = ctypes.util.find_library("c")
-    if not name or not hasattr(os, "sched_getaffinity"):  # not Linux
+    if not name or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(name).mallopt

@@ -1,28 +1,12 @@
 """The server benchmark compares like with like: its naive reference computes the same round."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
+from benches import load_bench
 
 from common.aggregation import aggregate_round
 from common.collaboration import collaboration_matrix_direct, qp_objective
-
-
-def load_bench(name: str):  # noqa: ANN201
-    """bench/<name>.py, loaded by path: bench/ is not a package, and the scripts put their folder
-    on sys.path, where it would shadow the test helpers of the same names (federation.py)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench"
-                                                  / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
-
 
 bench = load_bench("server_aggregation")
 naive_round, synthetic_round = bench.naive_round, bench.synthetic_round

@@ -1,8 +1,11 @@
 """The local update: what trains when, and where the alignment gradient goes."""
 
 import dataclasses
+import statistics
 
+import pytest
 import torch
+from benches import load_bench
 
 from client_app.train import Received, alignment_loss, local_update, train_extractor, train_head
 from common.config import FedPACConfig
@@ -108,22 +111,11 @@ def test_mixed_precision_trains_and_keeps_float32_weights():
     assert update.centroids.dtype == torch.float32
 
 
-
 def test_a_training_process_keeps_the_memory_it_frees():
     """Without ``keep_freed_memory`` glibc unmaps every large block a batch frees and the kernel
     zeroes its pages again at the next batch (thousands of page faults per update); with it, a
     warm process trains without faulting (``bench/freed_memory.py`` times the difference)."""
-    import importlib.util
-    import statistics
-    from pathlib import Path
-
-    import pytest
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "freed_memory.py"
-    spec = importlib.util.spec_from_file_location("bench_freed_memory", path)
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("freed_memory")
     kept = bench.update_costs(keep=True, epochs=1)
     if not kept["kept"]:
         pytest.skip("mallopt is glibc's: this libc keeps its own policy")
