@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
 
 from client_app.train import LocalUpdate, Received, evaluate_head, extract_features, finetune_head, local_update
 from client_app.train import evaluate as evaluate_model
@@ -23,7 +24,21 @@ from common.model import HEAD_PREFIX, FedPACNet, weights_digest
 from common.partition import client_split
 from client_app.site_model import SiteModel, save_site_model
 
-app = ClientApp()
+
+
+def sealed_replies(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Open a sealed message (``common.protocol.seal``: a deployed ServerApp sends its records
+    as one object) and seal the reply to it the same way; other messages pass unchanged."""
+    if not p.is_sealed(msg.content):
+        return call_next(msg, context)
+    msg.content = p.unseal(msg.content)
+    reply = call_next(msg, context)
+    if reply.has_content():
+        reply.content = p.seal(reply.content)
+    return reply
+
+
+app = ClientApp(mods=[sealed_replies])
 
 
 def select_device(requested: str) -> torch.device:

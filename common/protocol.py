@@ -32,6 +32,15 @@ object of its own, one authenticated request per object on every hop (ServerApp 
 SuperNode -> ClientApp, and back). ``arrays`` is one uncompressed .npz buffer, one Array, whose
 members are named ``<section>/<array>``. Unpacked, a FedPAC round moved 75 objects per client and
 hop; one packed record per section, 27 (19 with fused evaluation); one record per message, 13.
+
+Why sealed messages: even packed, a message is 6 or 7 objects (the message, its RecordDict, the
+ArrayRecord, its Array and the Array's chunk, the config or metrics records), each its own
+authenticated request on every hop of a deployment. :func:`seal` serializes a message's records
+into one ConfigRecord, ``envelope``: 3 objects (message, RecordDict, envelope). A content larger
+than one of Flower's array chunks stays as it is, so Flower's chunking still bounds every request.
+A deployed ServerApp seals what it sends (``server_app.grid``), the ClientApp opens it and seals
+its reply (``client_app.app``); both sides see the records above. The simulation moves messages
+in one process and does not seal.
 """
 
 from __future__ import annotations
@@ -41,7 +50,11 @@ import zipfile
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
+from google.protobuf.message import DecodeError
 
 from common.files import npz_bytes
 
@@ -51,6 +64,7 @@ METRICS = "metrics"
 CONFIG = "config"
 EVALUATION = "evaluation"
 PACKED = "npz"  # the one Array of a packed record
+ENVELOPE = "envelope"  # the one record of a sealed message, and its one entry (seal / unseal)
 
 # Sections of the ``arrays`` record.
 MODEL = "model"
@@ -156,3 +170,37 @@ def sections_of(content: RecordDict) -> Sections:
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of tensor data and scalars in a message's records (without gRPC framing)."""
     return sum(record.count_bytes() for record in content.values())
+
+
+def seal(content: RecordDict, max_bytes: int = FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE) -> RecordDict:
+    """``content`` as one ConfigRecord holding its serialized records, or ``content`` itself
+    when that is larger than ``max_bytes`` (one of Flower's array chunks, by default)."""
+    serialized = recorddict_to_proto(content).SerializeToString()
+    if len(serialized) > max_bytes:
+        return content
+    return RecordDict({ENVELOPE: ConfigRecord({ENVELOPE: serialized})})
+
+
+def is_sealed(content: RecordDict) -> bool:
+    """Whether ``content`` is a :func:`seal`-ed message's (its only record is the envelope)."""
+    return list(content.keys()) == [ENVELOPE] and ENVELOPE in content.config_records
+
+
+def unseal(content: RecordDict) -> RecordDict:
+    """The records :func:`seal` put in ``content``'s envelope.
+
+    Raises ``ValueError`` when ``content`` is not sealed or its envelope does not hold
+    serialized records.
+    """
+    if not is_sealed(content):
+        raise ValueError(f"not a sealed message: records {sorted(content.keys())}")
+    envelope = content.config_records[ENVELOPE]
+    serialized = envelope.get(ENVELOPE)
+    if list(envelope.keys()) != [ENVELOPE] or not isinstance(serialized, bytes):
+        raise ValueError("a sealed message's envelope holds exactly one bytes entry")
+    proto = ProtoRecordDict()
+    try:
+        proto.ParseFromString(serialized)
+        return recorddict_from_proto(proto)
+    except (DecodeError, ValueError, TypeError) as err:
+        raise ValueError(f"the envelope does not hold serialized records: {err}") from err

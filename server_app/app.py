@@ -245,6 +245,9 @@ def main(grid: Grid, context: Context) -> None:
     note = dataset_defaults_note(context.run_config, cfg)
     if note:
         log(INFO, "%s", note)
-    _, report = run_fedpac(ResponsiveGrid(grid), cfg, context.run_id)
+    responsive = ResponsiveGrid(grid)
+    if responsive.seal:
+        log(INFO, "Messages sealed: 3 objects each on every hop (FEDPAC_SEAL_MESSAGES=0: off)")
+    _, report = run_fedpac(responsive, cfg, context.run_id)
     log(INFO, "%s finished: final mean personalized accuracy %.2f%%; outputs in %s", cfg.strategy,
         100 * report.rounds[-1].mean_accuracy if report.rounds else float("nan"), report.directory)

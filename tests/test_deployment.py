@@ -90,7 +90,8 @@ def test_tls_federation_with_node_auth_trains_on_local_data_and_refuses_an_unreg
 def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_path, certs, monkeypatch):
     """The simulation's partitions as each site's own data folder, two sites in warm workers and
     one with Flower's own process per message: the final model is the simulation's, bit for bit
-    (one normalization for every client, and the warm worker computes what a fresh process does)."""
+    (one normalization for every client, the warm worker computes what a fresh process does, and
+    sealed messages carry what the simulation's plain ones do)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
     config = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
               "num-server-rounds": 2, "min-available-clients": 3}
@@ -109,6 +110,7 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
         deployed = tmp_path / "out"
         run_id = federation.submit(" ".join(f"{k}={v}" for k, v in config.items()) + f" output-dir='{deployed}'")
         assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        assert "Messages sealed" in federation.log(run_id)  # the deployed path, not the simulation's
     finally:
         federation.close()
     with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(deployed) / "final_state.npz") as dep:
