@@ -25,7 +25,6 @@ from common.partition import client_split
 from client_app.site_model import SiteModel, save_site_model
 
 
-
 def sealed_replies(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Open a sealed message (``common.protocol.seal``: a deployed ServerApp sends its records
     as one object) and seal the reply to it the same way; other messages pass unchanged."""
