@@ -285,8 +285,9 @@ def representation_update(
 ) -> LocalUpdate:
     """FedRep's round: ``fedrep-head-epochs`` epochs of the head on frozen features, then
     ``fedrep-body-epochs`` epochs of the body with the head frozen, both at the baselines' step
-    size."""
-    head_loss = train_head(model, x, y, cfg, generator, epochs=cfg.fedrep_head_epochs, lr=cfg.extractor_lr)
+    size unless ``fedrep-head-lr`` sets the head's."""
+    head_lr = cfg.fedrep_head_lr or cfg.extractor_lr
+    head_loss = train_head(model, x, y, cfg, generator, epochs=cfg.fedrep_head_epochs, lr=head_lr)
     train_loss, _ = train_extractor(model, x, y, cfg, generator, epochs=cfg.fedrep_body_epochs)
     return LocalUpdate(num_examples=len(y), train_loss=train_loss, head_loss=head_loss)
 

@@ -78,6 +78,10 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # The FedPAC authors' published code has no FedRep.
     fedrep_head_epochs: int = 10
     fedrep_body_epochs: int = 1
+    # FedRep's head step size; 0: `extractor-lr`, as FedRep's own code (one `--lr` for both). The
+    # FedCCFA authors' FedRep (configs/FedRep.yaml) takes 1 head epoch at clf_lr = 0.1, then 5
+    # body epochs at rep_lr = 0.01 (the drift grid's [method-config]).
+    fedrep_head_lr: float = 0.0
     # FedAvg-FT: the received global model's head is fine-tuned on the local training data before
     # each evaluation. The authors' code (`local_fine_tuning` in methods/fedavg.py) trains only
     # the classifier keys with the baselines' step size; the paper gives no epoch count. Default
@@ -221,6 +225,7 @@ def _validate(cfg: FedPACConfig) -> None:
     for name in ("head_lr", "extractor_lr"):
         value = getattr(cfg, name)
         _check(value > 0, k(name), value, "> 0")
+    _check(cfg.fedrep_head_lr >= 0, k("fedrep_head_lr"), cfg.fedrep_head_lr, ">= 0 (0: extractor-lr)")
     _check(0.0 <= cfg.momentum < 1.0, k("momentum"), cfg.momentum, "in [0, 1)")
     for name in ("weight_decay", "lambda_align"):
         value = getattr(cfg, name)

@@ -148,9 +148,9 @@ def _stored_cells(out: Path, cell: Cell) -> list[tuple[Path, dict]]:
     return found
 
 
-def adopt_directory(out: Path, cell: Cell, log: Callable[[str], None] = print) -> Path:
-    """The cell's folder. A folder an earlier version wrote for the same computation (its key
-    hashed a config with fewer fields) is renamed to the cell's key, so its runs count."""
+def stored_directory(out: Path, cell: Cell) -> Path:
+    """The folder that holds the cell's runs: its own, or one an earlier version wrote for the
+    same computation (its key hashed a config with fewer fields); its own when neither exists."""
     directory = cell_directory(out, cell)
     if directory.exists():
         return directory
@@ -158,9 +158,17 @@ def adopt_directory(out: Path, cell: Cell, log: Callable[[str], None] = print) -
         identity = stored.get("identity", {})
         if (folder != directory and identity.get("clients") == cell.clients
                 and same_computation(identity.get("config", {}), cell.identity["config"])):
-            folder.rename(directory)
-            log(f"{folder.name}: renamed to {directory.name} (same computation, written by an earlier version)")
-            return directory
+            return folder
+    return directory
+
+
+def adopt_directory(out: Path, cell: Cell, log: Callable[[str], None] = print) -> Path:
+    """The cell's folder, an earlier version's folder for the same computation renamed to it
+    (:func:`stored_directory`), so its runs count."""
+    directory, folder = cell_directory(out, cell), stored_directory(out, cell)
+    if folder != directory:
+        folder.rename(directory)
+        log(f"{folder.name}: renamed to {directory.name} (same computation, written by an earlier version)")
     return directory
 
 
@@ -193,7 +201,7 @@ def results_of(experiment: Experiment, out: Path) -> Results:
     """The experiment's finished cells, by (setting, method, seed)."""
     results: Results = {}
     for setting, cell in experiment.cells():
-        run = finished_run(cell_directory(out, cell), cell)
+        run = finished_run(stored_directory(out, cell), cell)
         if run is not None:
             results[(setting.name, cell.method, cell.seed)] = run
     return results
@@ -314,7 +322,7 @@ def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None
     """List the cells and their state without running anything (--dry-run)."""
     cells = plan(experiments)
     for index, planned in enumerate(cells, start=1):
-        directory = cell_directory(out, planned.cell)
+        directory = stored_directory(out, planned.cell)
         done, partial = finished_run(directory, planned.cell), resumable_run(directory, planned.cell)
         state = ("finished" if done else f"resumable after round {partial.completed_rounds}" if partial
                  else "to run")

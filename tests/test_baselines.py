@@ -315,6 +315,28 @@ def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monke
         parse_run_config({"fedrep-body-epochs": 0})
 
 
+def test_fedrep_head_lr_sets_the_heads_step_and_defaults_to_the_baselines(monkeypatch):
+    import client_app.train as train
+
+    seen = []
+    original = train.train_head
+
+    def spy(*args, lr=None, **kwargs):
+        seen.append(lr)
+        return original(*args, lr=lr, **kwargs)
+
+    monkeypatch.setattr(train, "train_head", spy)
+    model, x, y = _data()
+    for head_lr in (0.0, 0.1):
+        cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_head_lr=head_lr, extractor_lr=0.02,
+                           local_epochs=1, batch_size=8)
+        local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
+    assert seen == [0.02, 0.1]
+    assert parse_run_config({"fedrep-head-lr": 0.1}).fedrep_head_lr == 0.1
+    with pytest.raises(ConfigError, match="'fedrep-head-lr'.*>= 0"):
+        parse_run_config({"fedrep-head-lr": -0.1})
+
+
 def _evaluate(strategy, state):
     """The real ClientApp's evaluation of ``state`` on partition 0 under ``strategy``."""
     grid = InProcessGrid(_config(strategy), 2)

@@ -174,6 +174,9 @@ def test_the_fedccfa_drift_grid_has_the_papers_protocol_and_cells():
             assert (config["dataset"], config["batch_size"], config["generalized_every"]) == ("fashion-mnist", 64, 20)
             assert (config["normalize_mean"], config["normalize_std"]) == ("0.1307", "0.3081")
             assert not setting.paper or experiment.name == "sudden"
+            if cell.method == "fedrep":  # the FedCCFA repository's configs/FedRep.yaml
+                assert (config["fedrep_head_epochs"], config["fedrep_head_lr"]) == (1, 0.1)
+                assert (config["fedrep_body_epochs"], config["extractor_lr"]) == (5, 0.01)
 
 
 def test_command_line_assignments_are_read_as_toml_or_plain_text():
@@ -311,7 +314,7 @@ def test_extend_continues_a_shorter_run_under_another_drift_only_before_any_labe
     assert later.calls[0][2] is None  # its labels change from round 3: neither sudden run is its own
 
 
-def test_cells_written_before_the_config_grew_are_still_found(tmp_path):
+def test_cells_written_before_the_config_grew_are_still_found(tmp_path, capsys):
     """A run config stored without fields added since (at their defaults) is the same cell."""
     grid, out = _grid(tmp_path), tmp_path / "out"
     (experiment,) = load_grid(grid, Overrides())
@@ -325,6 +328,12 @@ def test_cells_written_before_the_config_grew_are_still_found(tmp_path):
     old_identity = {**cell.identity, "config": dict(document["config"])}
     (legacy / "cell.json").write_text(json.dumps({"method": cell.method, "clients": cell.clients,
                                                   "identity": old_identity}))
+    # found before the runner renames it: by --dry-run and --report-only too
+    assert main([str(grid), "--out", str(out), "--methods", "fedpac", "--dry-run"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("fedpac | seed 0: 3 clients, 2 rounds: finished")
+    assert main([str(grid), "--out", str(out), "--methods", "fedpac", "--report-only"]) == 0
+    assert "fedpac" in (out / experiment.name / "summary.csv").read_text()
+    assert legacy.exists()
     nothing = FakeSimulation()
     assert main([str(grid), "--out", str(out), "--methods", "fedpac"], execute=nothing) == 0
     assert nothing.calls == [] and not legacy.exists() and cell_directory(out, cell).is_dir()
