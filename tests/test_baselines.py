@@ -295,17 +295,23 @@ def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
         assert (update.head_loss > 0) == (head_epochs > 0)
 
 
-def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monkeypatch):
+def _arguments_of(monkeypatch, function: str, argument: str) -> list:
+    """The ``argument`` keyword of every call to ``client_app.train.<function>`` from now on."""
     import client_app.train as train
 
     seen = []
-    original = train.train_extractor
+    original = getattr(train, function)
 
-    def spy(*args, epochs=None, **kwargs):
-        seen.append(epochs)
-        return original(*args, epochs=epochs, **kwargs)
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(argument))
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(train, "train_extractor", spy)
+    monkeypatch.setattr(train, function, spy)
+    return seen
+
+
+def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monkeypatch):
+    seen = _arguments_of(monkeypatch, "train_extractor", "epochs")
     model, x, y = _data()
     cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_body_epochs=2, local_epochs=5, batch_size=8)
     local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
@@ -316,16 +322,7 @@ def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monke
 
 
 def test_fedrep_head_lr_sets_the_heads_step_and_defaults_to_the_baselines(monkeypatch):
-    import client_app.train as train
-
-    seen = []
-    original = train.train_head
-
-    def spy(*args, lr=None, **kwargs):
-        seen.append(lr)
-        return original(*args, lr=lr, **kwargs)
-
-    monkeypatch.setattr(train, "train_head", spy)
+    seen = _arguments_of(monkeypatch, "train_head", "lr")
     model, x, y = _data()
     for head_lr in (0.0, 0.1):
         cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_head_lr=head_lr, extractor_lr=0.02,
