@@ -23,9 +23,23 @@ FLWR = str(Path(sys.executable).with_name("flwr"))
 pytestmark = pytest.mark.e2e
 
 
+def foreign_local_superlinks() -> list[str]:
+    """Command lines of running local (``--simulation``) SuperLinks that another Python
+    environment started. `flwr run` hands its run to whichever SuperLink holds Flower's local
+    ports (127.0.0.1:39091/39093), so a leftover one from another checkout (a deleted clone, say)
+    would run this checkout's tests with its own, maybe vanished, interpreter."""
+    result = subprocess.run(["pgrep", "-af", "flower-superlink.*--simulation"], capture_output=True, text=True)
+    ours = str(Path(FLWR).parent)
+    return [line for line in result.stdout.splitlines() if ours not in line]
+
+
 @pytest.fixture(scope="module")
 def flower_env(tmp_path_factory):
     """Its own FLWR_HOME, and the local SuperLink it starts stopped afterwards by PID."""
+    foreign = foreign_local_superlinks()
+    if foreign:
+        pytest.fail("a local SuperLink of another Python environment holds Flower's local ports; stop it "
+                    "(`make stop`, or kill the PID) and run again:\n" + "\n".join(foreign), pytrace=False)
     home = tmp_path_factory.mktemp("flwr-home")
     env = {
         **os.environ,
