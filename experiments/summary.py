@@ -63,8 +63,9 @@ class RunOutputs:
 
     @property
     def finished(self) -> bool:
-        """The run ended normally: its final state is written (only after the last round)."""
-        return (self.directory / "final_state.npz").is_file()
+        """The run ended normally: its final state is written (only after the last round), or its
+        status says so (an archived grid may leave out the final state of a run nothing continues)."""
+        return (self.directory / "final_state.npz").is_file() or self.status.get("state") == "finished"
 
     @property
     def resumable(self) -> bool:

@@ -269,6 +269,22 @@ def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_ch
     assert [c[:2] for c in longer.calls] == [("fedavg", 0), ("fedavg", 1)]
 
 
+def test_a_run_whose_status_says_finished_counts_as_finished_without_its_final_state(tmp_path, capsys):
+    """An archived grid leaves out the final states (tens of MB each) of runs nothing continues:
+    the run's status.json still marks it finished, so the cell is skipped, not trained again."""
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    (_, cell), *_ = load_grid(grid, Overrides(seeds=[0]))[0].cells()
+    run = _fake_run(cell, cell_directory(out, cell), [0.5] * cell.rounds, finished=False)
+    (run / "checkpoint.npz").unlink()
+    assert finished_run(cell_directory(out, cell), cell) is None  # no final state, no status: not done
+    (run / "status.json").write_text(json.dumps({"state": "finished", "completed_rounds": cell.rounds}))
+    assert finished_run(cell_directory(out, cell), cell) is not None
+    calls = FakeSimulation()
+    main([str(grid), "--out", str(out), "--seeds", "0"], execute=calls)
+    assert (cell.method, cell.seed) not in [c[:2] for c in calls.calls]
+    assert f"{cell.method} | seed 0: finished before, skipped (final accuracy 50.00%)" in capsys.readouterr().out
+
+
 def test_extend_continues_the_longest_finished_shorter_run_of_the_same_configuration(tmp_path, capsys):
     grid, out = _grid(tmp_path), tmp_path / "out"
     for rounds in ("2", "3"):
