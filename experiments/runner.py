@@ -94,16 +94,19 @@ def simulate(cell: Cell, directory: Path, resume_from: Path | None, log_path: Pa
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command[:3])} "
                   f"{json.dumps(run_config)}\n".encode())
         log.flush()
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # its own group: stoppable as a whole
-        try:
+        process: subprocess.Popen | None = None
+        try:  # started inside the try: a stop that comes right after the start still stops it
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)  # its own group: stoppable as a whole
             return process.wait(timeout=options.timeout)
         except subprocess.TimeoutExpired:
+            assert process is not None  # only its wait times out
             _stop(process)
             log.write(f"\n===== stopped after the {options.timeout:.0f}s limit\n".encode())
             return 124
         except KeyboardInterrupt:
-            _stop(process)
+            if process is not None:
+                _stop(process)
             raise
 
 

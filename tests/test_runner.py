@@ -5,6 +5,7 @@ simulation does (fast, and able to simulate crashes); one test runs a tiny grid 
 Flower simulations (Ray) twice and checks that the second invocation redoes nothing finished.
 """
 
+import contextlib
 import csv
 import json
 import math
@@ -12,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -552,13 +552,17 @@ import subprocess, sys, time
 from experiments import runner
 
 def execute(cell, directory, resume_from, log_path):
-    # a cell's process in its own session, as runner.simulate starts it, that never ends by itself
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-    print(process.pid, flush=True)
+    # a cell's process in its own session, started and stopped as runner.simulate does it, that
+    # would outlive the test by far if the stop did not reach it
+    process = None
     try:
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                                   stderr=subprocess.DEVNULL)
+        print(process.pid, flush=True)
         return process.wait()
     except KeyboardInterrupt:
-        runner._stop(process)
+        if process is not None:
+            runner._stop(process)
         raise
 
 sys.exit(runner.main(sys.argv[1:], execute=execute))
@@ -581,16 +585,13 @@ def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint
             assert line, runner.stderr.read()
             cell = int(line) if line.strip().isdigit() else None
         runner.send_signal(stop)
-        assert runner.wait(timeout=30) == 130
+        assert runner.wait(timeout=60) == 130
+        # the runner waits for its cell's process group to end before it exits
+        with pytest.raises(ProcessLookupError):
+            os.kill(cell, 0)
         assert "interrupted" in runner.stderr.read()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(cell, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("the cell's process outlived the runner")
     finally:
         runner.kill()
+        if cell is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(cell, signal.SIGKILL)
