@@ -73,6 +73,34 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+class _HeldInterrupts:
+    """SIGINT and SIGTERM, held while a cell's process starts (:func:`_starting`)."""
+
+    signals: list[int] | None = None
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    """The runner's SIGINT and SIGTERM handler: a KeyboardInterrupt, or held while a cell starts."""
+    if _HeldInterrupts.signals is not None:
+        _HeldInterrupts.signals.append(signum)
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """Hold a stop while a cell's process is being started, and raise it once it has started: an
+    interrupt raised between the fork and ``Popen``'s return would leave a running process that
+    nothing knows to stop."""
+    _HeldInterrupts.signals = []
+    try:
+        yield
+    finally:
+        held, _HeldInterrupts.signals = _HeldInterrupts.signals, None
+    if held:
+        raise KeyboardInterrupt
+
+
 def simulate(cell: Cell, directory: Path, resume_from: Path | None, log_path: Path,
              options: SimulationOptions = SimulationOptions()) -> int:
     """Run one cell in a fresh Python process (own Ray instance); returns its exit status."""
@@ -95,9 +123,10 @@ def simulate(cell: Cell, directory: Path, resume_from: Path | None, log_path: Pa
                   f"{json.dumps(run_config)}\n".encode())
         log.flush()
         process: subprocess.Popen | None = None
-        try:  # started inside the try: a stop that comes right after the start still stops it
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # its own group: stoppable as a whole
+        try:
+            with _starting():
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)  # its own group: stoppable as a whole
             return process.wait(timeout=options.timeout)
         except subprocess.TimeoutExpired:
             assert process is not None  # only its wait times out
@@ -380,10 +409,7 @@ def interruptible() -> Iterator[None]:
     (a command that a script starts in the background inherits SIGINT ignored): the cell in
     progress is stopped with its whole process group, and the grid resumes later from its
     checkpoint. Before, a SIGTERM ended the runner and left its simulation running."""
-    def interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGINT, _interrupt), signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
     finally:

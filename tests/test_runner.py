@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -548,43 +549,49 @@ def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
 
 
 _STOPPABLE_RUNNER = """
-import subprocess, sys, time
+import os, signal, subprocess, sys
 from experiments import runner
 
-def execute(cell, directory, resume_from, log_path):
-    # a cell's process in its own session, started and stopped as runner.simulate does it, that
-    # would outlive the test by far if the stop did not reach it
-    process = None
-    try:
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
-                                   stderr=subprocess.DEVNULL)
-        print(process.pid, flush=True)
-        return process.wait()
-    except KeyboardInterrupt:
-        if process is not None:
-            runner._stop(process)
-        raise
+real_popen = subprocess.Popen
+CELL = "import os, time; open(os.environ['CELL_PID_FILE'], 'w').write(str(os.getpid())); time.sleep(600)"
 
-sys.exit(runner.main(sys.argv[1:], execute=execute))
+def popen(command, **kwargs):  # runner.simulate itself, its simulation swapped for a long sleep
+    if command[1:3] != ["-m", "experiments.simulation"]:
+        return real_popen(command, **kwargs)
+    process = real_popen([sys.executable, "-c", CELL], **kwargs)
+    if os.environ["STOP_WHILE_STARTING"] == "1":  # the stop comes before Popen has returned
+        open(os.environ["CELL_PID_FILE"], "w").write(str(process.pid))
+        os.kill(os.getpid(), signal.SIGTERM)
+    return process
+
+runner.subprocess.Popen = popen
+sys.exit(runner.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop):
+@pytest.mark.parametrize(("stop", "while_starting"),
+                         [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop, while_starting):
     # A script's background command inherits SIGINT ignored; before, SIGINT did nothing there and
-    # SIGTERM ended the runner but left its cell's simulation running.
+    # SIGTERM ended the runner but left its cell's simulation running. The runner runs as it is,
+    # runner.simulate included, with a long sleep in place of the simulation.
+    pid_file = tmp_path / "cell.pid"
     runner = subprocess.Popen(
         [sys.executable, "-c", _STOPPABLE_RUNNER, str(_grid(tmp_path)), "--out", str(tmp_path / "out"),
          "--seeds", "0", "--methods", "fedavg"],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "CELL_PID_FILE": str(pid_file), "STOP_WHILE_STARTING": str(int(while_starting))},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # noqa: PLW1509  # single-threaded here
+    cell = None
     try:
-        cell = None
-        while cell is None:  # the runner logs its plan first, then the cell prints its pid
-            line = runner.stdout.readline()
-            assert line, runner.stderr.read()
-            cell = int(line) if line.strip().isdigit() else None
-        runner.send_signal(stop)
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()):  # the cell runs (or is being started)
+            assert runner.poll() is None or while_starting, runner.stderr.read()
+            assert time.monotonic() < deadline, runner.stderr.read()
+            time.sleep(0.02)
+        cell = int(pid_file.read_text())
+        if not while_starting:
+            runner.send_signal(stop)
         assert runner.wait(timeout=60) == 130
         # the runner waits for its cell's process group to end before it exits
         with pytest.raises(ProcessLookupError):
