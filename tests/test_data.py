@@ -89,7 +89,7 @@ def test_mnist_from_a_data_dir_through_the_run_config(tmp_path):
 
 
 def test_hugging_face_dataset_saved_locally(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # flwr-datasets brings it: a broken install fails here, not skips
     from PIL import Image
 
     rng = np.random.default_rng(1)

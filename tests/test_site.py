@@ -144,6 +144,14 @@ def test_patient_superlink_raises_exactly_flowers_sqlite_busy_timeout():
         patient_superlink.with_busy_timeout((("journal_mode", "WAL"),), 60000)
 
 
+def _until(condition, timeout: float = 5.0) -> None:  # noqa: ANN001
+    """Wait for ``condition()`` (a waiter registered, say) instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
 def test_long_poll_answers_as_soon_as_something_is_stored_and_empty_only_after_its_wait():
     poll = long_poll.LongPoll(wait=1.0)
     store: list[str] = []
@@ -169,7 +177,7 @@ def test_long_poll_answers_at_once_beyond_its_waiting_bound():
     take = poll.handler(lambda: [], answered=bool)
     first = threading.Thread(target=take)
     first.start()
-    time.sleep(0.1)
+    _until(lambda: poll._waiting == 1)  # pylint: disable=protected-access
     started = time.monotonic()
     assert take() == [] and time.monotonic() - started < 0.2  # the one waiting slot is taken
     first.join()
@@ -242,13 +250,15 @@ def test_object_pulls_of_many_waiters_all_wake_and_beyond_the_bound_answer_at_on
                for _ in range(3)]
     for thread in waiting:
         thread.start()
-    time.sleep(0.2)
+    _until(lambda: arrivals._waiting == 3)  # pylint: disable=protected-access
     started = time.monotonic()
     assert not pull(PullObjectRequest(object_id="x")).object_available  # a fourth: the bound is 3
     assert time.monotonic() - started < 0.1
     store.put("x", b"data")
+    woken_by = time.monotonic() + 0.5  # all three by the store, long before their 2 s wait ends
     for thread in waiting:
-        thread.join(timeout=1.0)
+        thread.join(timeout=max(0.0, woken_by - time.monotonic()))
+    assert not any(thread.is_alive() for thread in waiting)
     assert answers == [True, True, True]
 
 
