@@ -184,23 +184,27 @@ def test_vectorized_rows_it_cannot_certify_go_to_cvxpy(monkeypatch):
     np.testing.assert_allclose(result.alpha[1], expected, atol=1e-6)
 
 
-def test_numerics_use_one_thread_while_another_process_runs_and_all_cores_alone():
-    """The thread choice behind the collaboration QPs (common.cpu)."""
-    import subprocess
-    import sys
-    import time
+@pytest.mark.parametrize(("states", "expected"), [
+    ({"own": "R", "other": "S"}, None),  # only this process runs (its BLAS threads spin): all cores
+    ({"own": "S", "other": "R"}, 1),  # another process wants a core: one thread
+    ({"own": "R", "other": "D"}, None),
+])
+def test_numerics_use_one_thread_while_another_process_runs_and_all_cores_alone(monkeypatch, states, expected):
+    """The thread choice behind the collaboration QPs (common.cpu), on a /proc built here: on a
+    real machine other processes' states change while the test looks."""
+    import io
+    import os
 
     import common.collaboration as collaboration
-    from common.cpu import others_running
+    import common.cpu as cpu
 
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.5)
-        assert others_running()
-        assert collaboration.solver_blas_threads(1000) == 1
-    finally:
-        busy.kill()
-        busy.wait()
+    own = str(os.getpid())
+    tasks = {f"/proc/{own}/task/{own}/stat": states["own"], "/proc/4242/task/4243/stat": states["other"]}
+    monkeypatch.setattr(cpu.glob, "glob", lambda pattern: list(tasks))
+    monkeypatch.setattr(cpu, "open", lambda path, **_: io.StringIO(f"4243 (py thon) {tasks[path]} 1 1"), raising=False)
+    monkeypatch.setattr(collaboration, "SOLVER_BLAS_THREADS", None)
+    assert cpu.others_running() is (expected == 1)
+    assert collaboration.solver_blas_threads(1000) == expected
     assert collaboration.solver_blas_threads(20) == 1  # small problems: one thread always
 
 
