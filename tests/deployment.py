@@ -213,5 +213,7 @@ def wait_for_rounds(out: Path, count: int, timeout: float = 300) -> list[dict]:
         rounds = rounds_of(out)
         if len(rounds) >= count:
             return rounds
-        time.sleep(0.5)
+        # a test signals a node right after a round's row: the next round's messages are on their
+        # way then, and a slow look would let a fast node answer one before the signal lands
+        time.sleep(0.05)
     raise AssertionError(f"fewer than {count} rounds in {out} after {timeout}s")
