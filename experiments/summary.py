@@ -181,8 +181,9 @@ def _rounded(value: float) -> float | str:
 
 def summary_rows(experiment: Experiment, results: Results) -> list[dict[str, Any]]:
     """One row per (method, setting) with at least one finished seed: the final accuracy of the
-    experiment's metric (blank when a seed's last round did not measure it), and for a
-    generalized experiment the final personalized accuracy too."""
+    experiment's metric (NaN when a seed's last round did not measure it), and for a
+    generalized experiment the final personalized accuracy too. Unrounded: the table rounds the
+    mean itself, not the csv's 4 decimals (83.26499 is 83.26, not 83.265 and then 83.27)."""
     rows = []
     for setting in experiment.settings:
         for method in experiment.methods:
@@ -192,11 +193,10 @@ def summary_rows(experiment: Experiment, results: Results) -> list[dict[str, Any
                 continue
             mean, std = _mean_std([run.final(experiment.metric) for run in runs])
             row = {"method": method, "setting": setting.name, "clients": setting.clients,
-                   "rounds": experiment.rounds, "seeds": len(runs),
-                   "mean": _rounded(mean), "std": _rounded(std)}
+                   "rounds": experiment.rounds, "seeds": len(runs), "mean": mean, "std": std}
             if experiment.metric == "generalized":
                 personalized, spread = _mean_std([run.final_accuracy for run in runs])
-                row.update(personalized_mean=_rounded(personalized), personalized_std=_rounded(spread))
+                row.update(personalized_mean=personalized, personalized_std=spread)
             rows.append(row)
     return rows
 
@@ -209,7 +209,7 @@ def summary_csv(rows: list[dict[str, Any]], columns: tuple[str, ...] = SUMMARY_C
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: _rounded(v) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
     return buffer.getvalue().encode()
 
 
@@ -234,8 +234,8 @@ def _table_lines(experiment: Experiment, rows: list[dict[str, Any]], mean: str, 
             row = by_cell.get((method, setting.name))
             text = "–"
             if row is not None:
-                text = "n/a" if row[mean] == "" else f"{row[mean]:.2f}"
-                text += f" ± {row[std]:.2f}" if row[std] != "" else ""
+                text = "n/a" if math.isnan(row[mean]) else f"{row[mean]:.2f}"
+                text += "" if math.isnan(row[std]) else f" ± {row[std]:.2f}"
                 text += f" (n={row['seeds']})"
             if paper and method in setting.paper:
                 text += f" ({setting.paper[method]:.2f})"

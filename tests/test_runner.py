@@ -452,6 +452,21 @@ def test_a_generalized_experiment_reports_the_last_rounds_generalized_accuracy(t
     assert "| fedavg | n/a (n=1) |" in (again / "tiny" / "table.md").read_text()
 
 
+def test_the_table_rounds_the_mean_once_as_the_log_does(tmp_path, capsys):
+    class Rounding(FakeSimulation):  # an accuracy just under a half: 83.26499...
+        def __call__(self, cell, directory, resume_from, log_path):
+            log_path.write_text("simulated\n")
+            _fake_run(cell, directory, [0.8326499968767166] * cell.rounds)  # a real run's
+            return 0
+
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg"], execute=Rounding()) == 0
+    assert "final accuracy 83.26%" in capsys.readouterr().out
+    assert "| fedavg | 83.26 (n=1) |" in (out / "tiny" / "table.md").read_text()
+    (row,) = csv.DictReader((out / "tiny" / "summary.csv").open())
+    assert row["mean"] == "83.265"  # 4 decimals in the csv; the table rounds the mean, not these
+
+
 def test_a_personalized_experiment_ignores_the_generalized_accuracy(tmp_path):
     grid, out = _grid(tmp_path), tmp_path / "out"
     assert main([str(grid), "--out", str(out)], execute=GeneralizedSimulation()) == 0
