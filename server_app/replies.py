@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from common import protocol as p
 from common.methods import FEDPAC, Method
@@ -13,6 +15,26 @@ from common.methods import FEDPAC, Method
 
 class InvalidReply(ValueError):
     """A reply that must be rejected; the message names the reason."""
+
+
+def destinations(messages: Iterable[Message]) -> dict[str, int]:
+    """Message id -> destination node of pushed messages (the grid gives ids as it pushes)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+
+
+def reply_source(msg: Message, sent: Mapping[str, int]) -> int:
+    """The node a reply speaks for. When a node went offline the SuperLink answers in its
+    place (an error whose sender is the SuperLink itself): that is the node's failure, found
+    through the message it answers (``sent``: :func:`destinations` of the pushed messages)."""
+    if msg.metadata.src_node_id == SUPERLINK_NODE_ID:
+        return sent.get(msg.metadata.reply_to_message_id, SUPERLINK_NODE_ID)
+    return msg.metadata.src_node_id
+
+
+def node_unavailable(msg: Message) -> bool:
+    """The SuperLink's answer for a node that stopped reporting its heartbeat: the node is not
+    there now (killed, restarting), which says nothing about its client."""
+    return msg.has_error() and msg.error.code == ErrorCode.NODE_UNAVAILABLE
 
 
 @dataclass(frozen=True)

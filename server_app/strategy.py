@@ -35,9 +35,12 @@ from server_app.replies import (
     ClientEvaluation,
     ClientUpdate,
     InvalidReply,
+    destinations,
+    node_unavailable,
     parse_evaluate_reply,
     parse_query_reply,
     parse_train_reply,
+    reply_source,
 )
 from server_app.checkpoint import Checkpoint
 from server_app.report import RoundRecord
@@ -184,6 +187,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self._pending: RoundRecord | None = None
         # Payload bytes per node this round, both phases (train + evaluate).
         self._bytes_sent: dict[int, int] = {}
+        # The last messages configured, whose replies come next: an error the SuperLink writes in
+        # an offline node's place is attributed through them.
+        self._sent: list[Message] = []
         self._bytes_received: dict[int, int] = {}
 
     def summary(self) -> None:
@@ -263,10 +269,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
         if not nodes:
             return dict(self.node_partition)
-        replies = self._query(grid, nodes, timeout)
+        replies, gone = self._query(grid, nodes, timeout)
         problems = []
-        for reply in replies:
-            node = reply.metadata.src_node_id
+        for node, reply in replies:
             try:
                 info = parse_query_reply(reply, self.max_samples_per_client)
             except InvalidReply as err:
@@ -284,7 +289,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             self.num_partitions = max(self.num_partitions or 0, info.num_partitions)
             log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, pid,
                 info.num_partitions, info.num_examples, info.test_examples)
-        missing = len(nodes) - len(replies)
+        for node in gone:  # not a client problem: the federation goes on with the nodes it has
+            log(WARNING, "discovery: node %d went offline before it answered; left out", node)
+        missing = len(nodes) - len(replies) - len(gone)
         if missing:
             problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
         if problems and strict:
@@ -294,30 +301,42 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return dict(self.node_partition)
 
     @staticmethod
-    def _query(grid: Grid, nodes: list[int], timeout: float) -> list[Message]:
-        """Query replies of ``nodes`` within ``timeout`` seconds, asking again every
-        DISCOVERY_ATTEMPT seconds those that have not answered: a SuperNode whose pull of the
-        message failed (an overloaded SuperLink) drops it, and would otherwise be waited for
-        until the timeout."""
+    def _query(grid: Grid, nodes: list[int], timeout: float) -> tuple[list[tuple[int, Message]], list[int]]:
+        """(node, query reply) of ``nodes`` within ``timeout`` seconds, and the nodes that went
+        offline before answering. A node that has not answered is asked again every
+        DISCOVERY_ATTEMPT seconds (a SuperNode whose pull of the message failed, on an
+        overloaded SuperLink, drops it and would otherwise be waited for until the timeout);
+        one the SuperLink reported offline is asked again as soon as it is back (a restarted
+        SuperNode), and left out if it is not connected when asked."""
         deadline = time.monotonic() + timeout
-        replies: list[Message] = []
-        pending = list(nodes)
+        replies: list[tuple[int, Message]] = []
+        pending, gone = list(nodes), []
         while pending:
             messages = [Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
                                 message_type=MessageType.QUERY, dst_node_id=node) for node in pending]
             attempt_started = time.monotonic()
             wait = min(DISCOVERY_ATTEMPT, deadline - attempt_started)
             arrived = list(grid.send_and_receive(messages, timeout=wait))
-            replies.extend(arrived)
-            answered = {reply.metadata.src_node_id for reply in arrived}
+            sent = destinations(messages)
+            offline = {reply_source(reply, sent) for reply in arrived if node_unavailable(reply)}
+            replies.extend((reply_source(reply, sent), reply) for reply in arrived if not node_unavailable(reply))
+            answered = {node for node, _ in replies}
             pending = [node for node in pending if node not in answered]
             if not pending or time.monotonic() >= deadline:
                 break
-            # A push the SuperLink refuses returns at once: never ask faster than once an attempt.
-            time.sleep(max(0.0, wait - (time.monotonic() - attempt_started)))
-            log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
-                len(pending), wait)
-        return replies
+            # A push the SuperLink refuses returns at once: never ask faster than once an attempt,
+            # unless every node still to answer was offline and is connected again.
+            while (remaining := wait - (time.monotonic() - attempt_started)) > 0:
+                if set(pending) <= offline and offline <= set(grid.get_node_ids()):
+                    break
+                time.sleep(min(1.0, remaining))
+            connected = set(grid.get_node_ids())
+            gone += [node for node in pending if node not in connected]
+            pending = [node for node in pending if node in connected]
+            if pending:
+                log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
+                    len(pending), wait)
+        return replies, gone
 
     def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
         nodes = self._wait_for_nodes(grid)
@@ -409,6 +428,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             content = RecordDict({p.ARRAYS: p.pack(sections), p.CONFIG: config})
             self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
             messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
+        self._sent = messages
         return messages
 
     def configure_train(
@@ -450,7 +470,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
         """Parse a reply; log and drop it when invalid or when its partition-id conflicts."""
-        node_id = msg.metadata.src_node_id
+        node_id = reply_source(msg, destinations(self._sent))
         size = p.payload_bytes(msg.content) if msg.has_content() else 0
         self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
         try:

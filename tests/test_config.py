@@ -20,6 +20,15 @@ def test_pyproject_defaults_match_the_dataclass_and_the_paper():
     assert cfg.samples_per_client == 600
 
 
+def test_every_key_the_run_config_reads_is_declared_for_flwr_run():
+    """`flwr run . --run-config "k=v"` refuses a key the app's pyproject does not declare, so a
+    key only the experiment runner (which bypasses that check) could set is a broken feature."""
+    import dataclasses
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert {f.name.replace("_", "-") for f in dataclasses.fields(FedPACConfig)} == set(table)
+
+
 @pytest.mark.parametrize(
     "key,value,fragment",
     [

@@ -119,6 +119,45 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
             assert np.array_equal(sim[key], dep[key]), key
 
 
+def test_pfedvem_posteriors_survive_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch):
+    """pFedVEM's client state in a real deployment: two rounds, SuperNode 2 killed and restarted,
+    the server stopped and resumed from its checkpoint for rounds 3 and 4. The posteriors live on
+    the server by partition-id, so the restarted node trains from the posterior it had, and the
+    run ends with the uninterrupted simulation's model and posteriors bit for bit (a node that
+    had started over from the prior would not)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
+    config = {"strategy": "'pfedvem'", "samples-per-client": 100, "test-samples-per-client": 50,
+              "local-epochs": 1, "vem-head-steps": 2, "vem-mc-samples": 2, "min-available-clients": 3}
+    simulated = tmp_path / "simulated"
+    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
+                    json.dumps({**config, "strategy": "pfedvem", "num-server-rounds": 4,
+                                "output-dir": str(simulated)})],
+                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    settings = " ".join(f"{k}={v}" for k, v in config.items())
+    try:
+        federation.register(0, 1, 2)
+        for pid in range(3):
+            federation.start_node(pid)
+        run_id = federation.submit(f"{settings} num-server-rounds=2 output-dir='{first}'")
+        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        federation.signal_node(2, signal.SIGKILL)
+        federation.start_node(2)
+        run_id = federation.submit(
+            f"{settings} num-server-rounds=4 resume-from='{run_dir(first)}' output-dir='{resumed}'")
+        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    finally:
+        federation.close()
+    assert [int(r["round"]) for r in rounds_of(resumed)] == [1, 2, 3, 4]
+    assert all(int(r["num_trained"]) == 3 for r in rounds_of(resumed))
+    with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(resumed) / "final_state.npz") as dep:
+        assert sorted(sim.files) == sorted(dep.files)
+        assert {f"client-{pid}/scale/head.weight" for pid in range(3)} <= set(sim.files)
+        for key in sim.files:
+            assert np.array_equal(sim[key], dep[key]), key
+
+
 def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_path):
     federation.register(0, 1, 2)
     for pid in range(3):

@@ -156,3 +156,27 @@ def test_fedccfa_under_a_sudden_drift_through_flwr_run(flower_env, tmp_path):
     assert len(clusters) == 3 * 10 * 4  # rounds x classes x clients (every class present)
     assert (run_dir / "clusters.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "generalized" in run_log(flower_env, run_id)
+
+
+def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
+    run_id, status = flwr_run(
+        flower_env,
+        "strategy='pfedvem' partition='vem-pairs' class-train-samples=100 class-test-samples=30 "
+        "num-server-rounds=3 local-epochs=1 vem-head-steps=2 vem-mc-samples=2 vem-sampling-rate=0.5 "
+        f"vem-protocol='sampled-train' output-dir='{tmp_path}'",
+        num_supernodes=4,
+    )
+    assert status == "finished:completed", run_log(flower_env, run_id)[-5000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    assert json.loads((run_dir / "config.json").read_text())["vem_protocol"] == "sampled-train"
+    rounds = list(csv.DictReader((run_dir / "rounds.csv").open()))
+    assert [int(r["round"]) for r in rounds] == [1, 2, 3]
+    # sampled-train: only S_t (at least 2 of the 4) trains, every client is evaluated
+    assert all(2 <= int(r["num_trained"]) <= 4 and int(r["num_evaluated"]) == 4 for r in rounds)
+    assert all(0.0 <= float(r["mean_local_accuracy"]) <= 1.0 for r in rounds)
+    trained = [row for row in csv.DictReader((run_dir / "clients.csv").open()) if row["rho"]]
+    assert len(trained) == sum(int(r["num_trained"]) for r in rounds)
+    assert all(float(row["rho"]) > 0 for row in trained)
+    assert (run_dir / "confidence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with np.load(run_dir / "final_state.npz") as state:
+        assert any("scale" in key for key in state.files)  # every client's posterior scales

@@ -1,6 +1,7 @@
 """The FedPAC Strategy driven through an in-process federation of real ClientApps."""
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -207,3 +208,83 @@ def test_discovery_asks_again_a_node_whose_query_was_lost(monkeypatch, caplog):
     queried = [m.metadata.dst_node_id for m in grid.sent]
     silent = next(node for node, pid in grid.partition_of_node.items() if pid == 1)
     assert len(queried) == 4 and queried[3] == silent  # only the silent node, once more
+
+
+class OfflineGrid(InProcessGrid):
+    """Message ids as a deployment's grid gives them, and SuperNodes that die. A ``dying`` node
+    is still listed until the SuperLink gives up on its heartbeat; from then on the SuperLink
+    answers a message to it in its place (Flower's own error message: sender the SuperLink,
+    code NODE_UNAVAILABLE) and no longer lists it, unless it is ``back`` (a restarted SuperNode,
+    same key, same node id), which is listed and answers again."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dying: set[int] = set()
+        self.back: set[int] = set()
+        self.expired: set[int] = set()
+
+    def get_node_ids(self):
+        return [n for n in self.contexts if n not in self.expired]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from uuid import uuid4
+
+        from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+        messages = list(messages)
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid4().hex
+        down = [m for m in messages if m.metadata.dst_node_id in self.dying | self.expired]
+        replies = super().send_and_receive([m for m in messages if m not in down], timeout=timeout)
+        self.sent.extend(down)
+        errors = [create_message_error_unavailable_res_message(m.metadata, "node_unavail") for m in down]
+        self.expired |= self.dying - self.back
+        self.dying.clear()
+        return [*replies, *errors]
+
+
+def test_discovery_asks_a_restarted_node_again_once_it_is_back(monkeypatch, caplog):
+    """A SuperNode killed just before the run starts is still listed; the SuperLink answers the
+    query in its place (Node Unavailable). It restarts under its key, so it comes back with the
+    same node id: the pre-flight asks it again then, instead of failing the run on that error."""
+    import server_app.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 30.0)
+    strategy, _ = _strategy(parse_run_config(RUN_CONFIG))
+    grid = OfflineGrid(RUN_CONFIG, 3)
+    restarted = next(node for node, pid in grid.partition_of_node.items() if pid == 2)
+    grid.dying, grid.back = {restarted}, {restarted}
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert strategy.discover(grid, timeout=60) == grid.partition_of_node
+    assert time.monotonic() - started < 30  # asked again as soon as it was back
+    assert [m.metadata.dst_node_id for m in grid.sent].count(restarted) == 2
+    assert "node 1" not in caplog.text  # the SuperLink's id is nobody's
+
+
+def test_discovery_leaves_out_a_node_that_went_offline_and_the_run_goes_on(monkeypatch, caplog):
+    import server_app.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 0.05)
+    strategy, arrays = _strategy(parse_run_config(RUN_CONFIG))
+    grid = OfflineGrid(RUN_CONFIG, 3)
+    dead = next(node for node, pid in grid.partition_of_node.items() if pid == 2)
+    grid.dying = {dead}
+    with caplog.at_level(logging.WARNING):
+        found = strategy.discover(grid, timeout=60)  # strict, and still no error
+    assert sorted(found.values()) == [0, 1] and dead not in found
+    assert f"node {dead} went offline before it answered; left out" in caplog.text
+    _, replies, (new_arrays, _) = _train_round(strategy, grid, arrays)
+    assert len(replies) == 2 and new_arrays is not None
+
+
+def test_a_training_error_the_superlink_writes_for_an_offline_node_names_that_node(caplog):
+    strategy, arrays = _strategy(parse_run_config(RUN_CONFIG))
+    grid = OfflineGrid(RUN_CONFIG, 3)
+    strategy.discover(grid, timeout=60)
+    dead = next(node for node, pid in grid.partition_of_node.items() if pid == 2)
+    grid.dying = {dead}  # dies after the pre-flight
+    with caplog.at_level(logging.WARNING):
+        _, replies, (new_arrays, _) = _train_round(strategy, grid, arrays)
+    assert len(replies) == 3 and new_arrays is not None  # two valid replies are enough
+    assert f"Rejected reply from node {dead} (partition 2): client error: Error: Node Unavailable" in caplog.text
