@@ -470,7 +470,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
         """Parse a reply; log and drop it when invalid or when its partition-id conflicts."""
-        node_id = reply_source(msg, destinations(self._sent))
+        node_id = reply_source(msg, destinations(self._sent)) if msg.has_error() else msg.metadata.src_node_id
         size = p.payload_bytes(msg.content) if msg.has_content() else 0
         self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
         try:
