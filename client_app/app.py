@@ -247,7 +247,7 @@ def train(msg: Message, context: Context) -> Message:
         local = evaluate_model(model, x_test, current_concept(y_test, cfg, partition_id, server_round))
 
     metrics = MetricRecord(
-        {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, "train-loss": update.train_loss}
+        {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, p.TRAIN_LOSS: update.train_loss}
     )
     if update.statistics is not None:
         metrics[p.V] = update.statistics.v
@@ -330,7 +330,7 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
         y_all = full_test_tensors(cfg, device)[1]
         _, metrics[p.GENERALIZED_ACCURACY] = evaluate_head(
             model.head, full_test_features(model, cfg, device), current_concept(y_all, cfg, partition_id, server_round))
-    metrics["eval-seconds"] = time.perf_counter() - started
+    metrics[p.EVAL_SECONDS] = time.perf_counter() - started
     return metrics
 
 

@@ -34,15 +34,21 @@ def weighted_average(
 
 
 def capped_sample_weights(num_examples: np.ndarray, max_ratio: float) -> np.ndarray:
-    """Each client's aggregation weight n_i, at most ``max_ratio`` times the round's median n.
+    """Each client's aggregation weight n_i, at most ``max_ratio`` times the median of the
+    *other* clients' n.
 
     n_i is what a client says it has: one client claiming far more samples than the others
-    would otherwise own the averages (eq. 18, 19). ``max_ratio`` = 0 keeps every n_i.
+    would otherwise own the averages (eq. 18, 19). Its own claim must not raise its own cap: with
+    the median over all claims, one of two clients (or half of an even round) could claim any n
+    and move the median with it. A client alone in its round keeps its n (there is nothing to
+    compare it with, and its weight is 1 either way). ``max_ratio`` = 0 keeps every n_i.
     """
     n = np.asarray(num_examples, dtype=np.float64)
-    if max_ratio <= 0 or len(n) == 0:
+    if max_ratio <= 0 or len(n) < 2:
         return n.copy()
-    return np.minimum(n, max_ratio * np.median(n))
+    # m medians of m - 1 claims, m the replies of one round: milliseconds even at m = 1000
+    others = np.array([np.median(np.delete(n, i)) for i in range(len(n))])
+    return np.minimum(n, max_ratio * others)
 
 
 def aggregate_centroids(

@@ -51,7 +51,7 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     max_failed_rounds: int = 3
     # Bounds on one client's influence: a reply (or pre-flight answer) with more training samples
     # than max-samples-per-client is rejected (0: no bound), and a client's aggregation weight n_i
-    # is at most max-weight-ratio times the round's median n (0: no cap).
+    # is at most max-weight-ratio times the median n of the round's other replies (0: no cap).
     max_samples_per_client: int = 0
     max_weight_ratio: float = 10.0
     fraction_evaluate: float = 1.0

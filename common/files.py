@@ -24,6 +24,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, path)
+        _sync_directory(path.parent)
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -33,6 +34,21 @@ def atomic_write(path: Path, data: bytes) -> None:
         if err.errno is None:
             raise OSError(message) from err
         raise OSError(err.errno, message) from err
+
+
+def _sync_directory(directory: Path) -> None:
+    """Flush a directory's entries: without it a power cut after the rename may bring back the
+    old file. Best effort: where a directory cannot be opened or synced (Windows, some network
+    file systems) the file is written all the same, and the rename is all there is."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

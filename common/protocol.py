@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import io
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -81,6 +82,8 @@ CLASS_COUNTS = "class-counts"
 H = "h"
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+EVAL_SECONDS = "eval-seconds"  # client-side compute of an evaluation
 V = "v"
 SERVER_ROUND = "server-round"
 EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries
@@ -116,23 +119,49 @@ def from_record(record: ArrayRecord) -> NDArrays:
     those of a plain ArrayRecord (one Array per name, as Flower's own helpers make).
 
     Raises ``ValueError`` when the packed buffer is not an uncompressed .npz archive (so a
-    client cannot make the server inflate a small reply into a huge one).
+    client cannot make the server inflate a small reply into a huge one), or when any array is
+    not an array of plain numbers (:data:`NUMERIC_DTYPES`).
     """
     if list(record.keys()) != [PACKED]:
-        return {key: array.numpy() for key, array in record.items()}
-    buffer = record[PACKED].numpy()
+        return {key: _numeric(key, _decoded(array.numpy)) for key, array in record.items()}
+    buffer = _decoded(record[PACKED].numpy)
     if buffer.dtype != np.uint8 or buffer.ndim != 1:
         raise ValueError(f"a packed record holds bytes, not a {buffer.dtype} array of shape {buffer.shape}")
     stream = io.BytesIO(buffer.tobytes())
-    try:
+
+    def read() -> NDArrays:
         with zipfile.ZipFile(stream) as archive:
             if any(member.compress_type != zipfile.ZIP_STORED for member in archive.infolist()):
                 raise ValueError("a packed record must not be compressed")
         stream.seek(0)
         with np.load(stream, allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
-    except (zipfile.BadZipFile, OSError, EOFError, KeyError) as err:
-        raise ValueError(f"not a packed array record: {err}") from err
+
+    return {key: _numeric(key, value) for key, value in _decoded(read).items()}
+
+
+# Plain numbers only: a float128 can hold values no float64 can, a string or object array is no
+# number at all, and either would get past the finiteness checks of a reply.
+NUMERIC_DTYPES = frozenset(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64))
+
+
+def _decoded(decode: Callable[[], Any]) -> Any:
+    """``decode()``, any failure a ``ValueError``: numpy and zipfile fail on crafted bytes in
+    many ways (``RuntimeError`` for an "encrypted" member, ``TypeError``, ``OSError``, ...), and
+    every one of them means the same: the record is malformed."""
+    try:
+        return decode()
+    except Exception as err:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+        raise ValueError(f"not a packed array record: {type(err).__name__}: {err}") from err
+
+
+def _numeric(name: str, value: Any) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype not in NUMERIC_DTYPES:
+        kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+        raise ValueError(f"array '{name}' is not an array of numbers ({kind})")
+    return value
 
 
 def pack(sections: Mapping[str, NDArrays]) -> ArrayRecord:

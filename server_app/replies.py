@@ -73,6 +73,9 @@ class ClientEvaluation:
 
 
 MAX_METRICS = 32
+# The server keeps a head (and a posterior) for every partition, and pFedVEM draws a number per
+# partition every round: a federation this size is far beyond what that state is made for.
+MAX_PARTITIONS = 1_000_000
 V_ROUNDING = 1e-6  # relative: a V this far below 0 is rounding, not a malformed reply
 TRAIN_RECORDS = frozenset({p.ARRAYS, p.METRICS, p.EVALUATION})
 EVALUATE_RECORDS = frozenset({p.METRICS})
@@ -106,6 +109,8 @@ def _check_shape_of_reply(msg: Message, allowed: frozenset[str]) -> None:
         metrics = msg.content.get(key)
         if metrics is None:
             continue
+        if key not in msg.content.metric_records:
+            raise InvalidReply(f"record '{key}' is not a MetricRecord")
         if len(metrics) > MAX_METRICS:
             raise InvalidReply(f"{len(metrics)} metrics in '{key}' (at most {MAX_METRICS})")
         lists = sorted(k for k, v in metrics.items() if isinstance(v, list))
@@ -149,11 +154,25 @@ def _metric(metrics, key: str) -> float:
     return float(value)
 
 
+def _optional_metric(metrics, key: str, default: float) -> float:
+    return _metric(metrics, key) if key in metrics else default
+
+
 def _partition_id(metrics, num_partitions: int | None) -> int:
     value = _metric(metrics, p.PARTITION_ID)
     if not value.is_integer() or value < 0 or (num_partitions is not None and value >= num_partitions):
         raise InvalidReply(f"partition-id {value!r} is not a valid partition")
     return int(value)
+
+
+def _finite_as(value: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """``value`` in the model's ``dtype``, all finite there: checked after the cast, since a
+    finite float64 (1e300) may overflow to Inf in float32."""
+    with np.errstate(over="ignore"):
+        cast = value.astype(dtype)
+    if not np.isfinite(cast).all():
+        raise InvalidReply(f"{what} holds NaN or Inf (as {dtype})")
+    return cast
 
 
 def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDArrays:
@@ -162,9 +181,7 @@ def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDAr
     for key, value in arrays.items():
         if value.shape != template[key].shape:
             raise InvalidReply(f"{what} '{key}' has shape {value.shape}, expected {template[key].shape}")
-        if not np.isfinite(value).all():
-            raise InvalidReply(f"{what} '{key}' holds NaN or Inf")
-    return {key: arrays[key].astype(template[key].dtype) for key in template}
+    return {key: _finite_as(arrays[key], template[key].dtype, f"{what} '{key}'") for key in template}
 
 
 def _parse_statistics(sections: p.Sections, expected: dict[str, tuple[int, ...]]) -> p.NDArrays:
@@ -220,6 +237,7 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
     if num_examples <= 0 or not num_examples.is_integer():
         raise InvalidReply(f"num-examples {num_examples} must be positive and a whole number")
     _check_sample_bound(num_examples, max_samples)
+    _metric(metrics, p.TRAIN_LOSS)  # the round's report averages it
     counts = None
     if p.CLASS_COUNTS in stats:
         counts = stats[p.CLASS_COUNTS].astype(np.float64)
@@ -278,14 +296,14 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
 
 def _balanced_head(stats: p.NDArrays, head_template: p.NDArrays) -> p.NDArrays:
     """The balanced head under the model's own head keys (shapes were checked with the rest)."""
-    return {p.HEAD_WEIGHT: stats[p.BALANCED_WEIGHT].astype(head_template[p.HEAD_WEIGHT].dtype),
-            p.HEAD_BIAS: stats[p.BALANCED_BIAS].astype(head_template[p.HEAD_BIAS].dtype)}
+    return {p.HEAD_WEIGHT: _finite_as(stats[p.BALANCED_WEIGHT], head_template[p.HEAD_WEIGHT].dtype, "balanced head"),
+            p.HEAD_BIAS: _finite_as(stats[p.BALANCED_BIAS], head_template[p.HEAD_BIAS].dtype, "balanced head")}
 
 
 def _scale(stats: p.NDArrays, head_template: p.NDArrays) -> p.NDArrays:
     """A posterior's scales under the model's own head keys (shapes were checked with the rest)."""
-    return {p.HEAD_WEIGHT: stats[p.SCALE_WEIGHT].astype(head_template[p.HEAD_WEIGHT].dtype),
-            p.HEAD_BIAS: stats[p.SCALE_BIAS].astype(head_template[p.HEAD_BIAS].dtype)}
+    return {p.HEAD_WEIGHT: _finite_as(stats[p.SCALE_WEIGHT], head_template[p.HEAD_WEIGHT].dtype, "posterior scales"),
+            p.HEAD_BIAS: _finite_as(stats[p.SCALE_BIAS], head_template[p.HEAD_BIAS].dtype, "posterior scales")}
 
 
 @dataclass(frozen=True)
@@ -305,8 +323,8 @@ def parse_query_reply(msg: Message, max_samples: int = 0) -> ClientInfo:
     _check_shape_of_reply(msg, EVALUATE_RECORDS)
     metrics = _get(msg, p.METRICS)
     num_partitions = _metric(metrics, "num-partitions")
-    if not num_partitions.is_integer() or num_partitions < 1:
-        raise InvalidReply(f"num-partitions {num_partitions!r} is not a positive integer")
+    if not num_partitions.is_integer() or not 1 <= num_partitions <= MAX_PARTITIONS:
+        raise InvalidReply(f"num-partitions {num_partitions!r} is not an integer in [1, {MAX_PARTITIONS:,}]")
     counts = [_metric(metrics, key) for key in (p.NUM_EXAMPLES, "test-examples")]
     if any(c <= 0 or not c.is_integer() for c in counts):
         raise InvalidReply(f"sample counts {counts} must be positive integers")
@@ -325,6 +343,13 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
         raise InvalidReply(f"client error: {msg.error.reason}")
     _check_shape_of_reply(msg, EVALUATE_RECORDS)
     return parse_evaluation(_get(msg, p.METRICS), msg.metadata.src_node_id, num_partitions)
+
+
+def _seconds(metrics) -> float:
+    seconds = _optional_metric(metrics, p.EVAL_SECONDS, 0.0)
+    if seconds < 0:
+        raise InvalidReply(f"{p.EVAL_SECONDS} = {seconds} is negative")
+    return seconds
 
 
 def parse_evaluation(metrics, node_id: int, num_partitions: int | None = None) -> ClientEvaluation:
@@ -347,6 +372,6 @@ def parse_evaluation(metrics, node_id: int, num_partitions: int | None = None) -
         num_examples=int(num_examples),
         accuracy=accuracy,
         loss=_metric(metrics, "loss"),
-        seconds=float(metrics.get("eval-seconds", 0.0)),
+        seconds=_seconds(metrics),
         generalized_accuracy=generalized,
     )

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 
 from common.drift import Drift
 from common.files import atomic_write
-from common.protocol import RHO
+from common.protocol import RHO, TRAIN_LOSS
 
 CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
@@ -113,7 +113,7 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
 
     @property
     def mean_train_loss(self) -> float:
-        losses = [m["train-loss"] for m in self.train.values()]
+        losses = [m[TRAIN_LOSS] for m in self.train.values()]
         return float(np.mean(losses)) if losses else float("nan")
 
     @property
@@ -264,7 +264,7 @@ class RunReport:
                 "test_loss": r.test_loss.get(pid, ""),
                 "num_examples": int(train["num-examples"]) if train else "",
                 "v": train.get("v", ""), "head_loss": train.get("head-loss", ""),
-                "train_loss": train.get("train-loss", ""), "align_loss": train.get("align-loss", ""),
+                "train_loss": train.get(TRAIN_LOSS, ""), "align_loss": train.get("align-loss", ""),
                 "align_weight": train.get("align-weight", ""),
                 "train_seconds": train.get("train-seconds", ""),
                 "eval_seconds": r.eval_seconds.get(pid, ""),

@@ -33,6 +33,7 @@ from common.methods import FEDPAC, Alignment, Method, Rule
 from common.variational import VEMProtocol, draw_sample, softplus_inverse
 from server_app.replies import (
     ClientEvaluation,
+    ClientInfo,
     ClientUpdate,
     InvalidReply,
     destinations,
@@ -63,6 +64,13 @@ def _stacked(values: list) -> np.ndarray | None:
     """One array over the round's replies, or None for a statistic the method does not use
     (reply validation guarantees it is then absent from every reply)."""
     return None if values[0] is None else np.stack(values)
+
+
+
+def _most_common(values: list[int]) -> int:
+    """The value most of ``values`` share (the larger one on a tie, so the choice does not
+    depend on the order replies arrived in)."""
+    return max(set(values), key=lambda v: (values.count(v), v))
 
 
 class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
@@ -271,22 +279,27 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             return dict(self.node_partition)
         replies, gone = self._query(grid, nodes, timeout)
         problems = []
+        answers: list[tuple[int, ClientInfo]] = []
         for node, reply in replies:
             try:
-                info = parse_query_reply(reply, self.max_samples_per_client)
+                answers.append((node, parse_query_reply(reply, self.max_samples_per_client)))
             except InvalidReply as err:
                 problems.append(f"node {node}: {err}")
+        if self.num_partitions is None and answers:
+            # Every node partitions the same dataset into the same J parts; the most common
+            # answer is the federation's, a node that disagrees is misconfigured.
+            self.num_partitions = _most_common([info.num_partitions for _, info in answers])
+        for node, info in answers:
+            if info.num_partitions != self.num_partitions:
+                problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
+                                f"is {self.num_partitions}")
                 continue
             pid = info.partition_id
             owner = self._node_of(pid)
             if owner is not None and strict:
                 problems.append(f"node {node}: partition-id {pid} is already taken by node {owner}")
                 continue
-            if owner is not None:  # a restarted SuperNode: the partition moves to its new id
-                log(WARNING, "partition-id %d moved from node %d to node %d", pid, owner, node)
-                del self.node_partition[owner]
-            self.node_partition[node] = pid
-            self.num_partitions = max(self.num_partitions or 0, info.num_partitions)
+            self._register(node, pid)
             log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, pid,
                 info.num_partitions, info.num_examples, info.test_examples)
         for node in gone:  # not a client problem: the federation goes on with the nodes it has
@@ -340,7 +353,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
 
     def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
         nodes = self._wait_for_nodes(grid)
-        if full:
+        if full or not nodes:  # no node at all: a round without replies, counted as failed
             return nodes
         size = max(1, int(round(fraction * len(nodes))))
         rng = np.random.default_rng([self.seed, server_round])
@@ -469,7 +482,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return 2 * model + 65536
 
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
-        """Parse a reply; log and drop it when invalid or when its partition-id conflicts."""
+        """Parse a reply; log and drop it when invalid or when it claims another partition than
+        its node's. Changes nothing: :meth:`_unique` registers the replies it keeps."""
         node_id = reply_source(msg, destinations(self._sent)) if msg.has_error() else msg.metadata.src_node_id
         size = p.payload_bytes(msg.content) if msg.has_content() else 0
         self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
@@ -488,23 +502,29 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             log(WARNING, "Rejected reply from node %d (partition %d): it claims partition %d",
                 node_id, registered, parsed.partition_id)
             return None
-        previous = self._node_of(parsed.partition_id)
-        if previous is not None and previous != node_id:
-            # A restarted SuperNode comes back with a new node id; it takes its partition over.
-            # Two live nodes claiming one partition in the same round are rejected by _unique.
-            log(WARNING, "partition-id %d moved from node %d to node %d", parsed.partition_id, previous, node_id)
-            del self.node_partition[previous]
-        self.node_partition[node_id] = parsed.partition_id
         return parsed
 
     def _unique(self, parsed: list) -> list:
-        """Drop replies whose partition-id appears twice in one round (keep neither)."""
+        """Drop replies whose partition-id appears twice in one round (keep neither), and
+        register the node of every reply kept as its partition's."""
         ids = [item.partition_id for item in parsed]
         duplicates = {pid for pid in ids if ids.count(pid) > 1}
         for pid in duplicates:
             log(WARNING, "Rejected all replies claiming partition-id %d: claimed twice this round", pid)
-        return sorted((item for item in parsed if item.partition_id not in duplicates),
+        kept = sorted((item for item in parsed if item.partition_id not in duplicates),
                       key=lambda item: item.partition_id)
+        for item in kept:
+            self._register(item.node_id, item.partition_id)
+        return kept
+
+    def _register(self, node_id: int, partition_id: int) -> None:
+        """``node_id`` serves ``partition_id`` from now on. A restarted SuperNode comes back with
+        a new node id and takes its partition over."""
+        previous = self._node_of(partition_id)
+        if previous is not None and previous != node_id:
+            log(WARNING, "partition-id %d moved from node %d to node %d", partition_id, previous, node_id)
+            del self.node_partition[previous]
+        self.node_partition[node_id] = partition_id
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -595,7 +615,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             record.clusters = result.clusters.labels.tolist()
         metrics = MetricRecord(
             {
-                "train-loss": record.mean_train_loss,
+                p.TRAIN_LOSS: record.mean_train_loss,
                 "num-replies": len(updates),
                 "num-rejected": record.rejected,
                 "qp-fallbacks": record.qp_fallbacks,
@@ -607,14 +627,14 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return p.to_record(self.extractor), metrics
 
     def _sample_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
-        """n_i for the averages, capped at ``max_weight_ratio`` times the median (logged)."""
+        """n_i for the averages, capped at ``max_weight_ratio`` times the others' median (logged)."""
         claimed = np.array([u.num_examples for u in updates], dtype=np.float64)
         weights = capped_sample_weights(claimed, self.max_weight_ratio)
         for update, n, w in zip(updates, claimed, weights):
             if w < n:
                 log(WARNING, "partition %d reports %d training samples, more than max-weight-ratio = %g "
-                    "times the round's median %g: weighted as %g", update.partition_id, n,
-                    self.max_weight_ratio, np.median(claimed), w)
+                    "times the other replies' median: weighted as %g", update.partition_id, n,
+                    self.max_weight_ratio, w)
         return weights
 
     def _store(self, updates: list[ClientUpdate], result: RoundAggregate) -> None:

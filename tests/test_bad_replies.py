@@ -2,6 +2,7 @@
 and nothing from the bad reply reaches the global state."""
 
 import io
+import re
 import logging
 
 import numpy as np
@@ -37,6 +38,32 @@ def _replace_packed(record_key, buffer):
     def tamper(reply):
         reply.content[record_key] = ArrayRecord(array_dict={p.PACKED: Array(buffer)})
     return tamper
+
+
+def _zip(member: str, data: bytes, encrypted: bool = False):
+    """A packed buffer with one member as given: raw bytes, flagged (not really) encrypted if
+    asked: bit 0 of the flags of its local header (offset 6) and its central directory entry
+    (offset 8), which zipfile itself never writes for us."""
+    import zipfile
+
+    stream = io.BytesIO()
+    with zipfile.ZipFile(stream, "w") as archive:
+        archive.writestr(member, data)
+    buffer = bytearray(stream.getvalue())
+    if encrypted:
+        buffer[6] |= 1
+        buffer[buffer.index(b"PK\x01\x02") + 8] |= 1
+    return np.frombuffer(bytes(buffer), dtype=np.uint8)
+
+
+def _drop_metric(key):
+    def tamper(reply):
+        del reply.content[p.METRICS][key]
+    return tamper
+
+
+def _metrics_as_config(reply):
+    reply.content[p.METRICS] = ConfigRecord(dict(reply.content[p.METRICS]))
 
 
 def _compressed(arrays):
@@ -77,6 +104,18 @@ CASES = {
                                "not named <section>/<array>"),
     "arrays as a metric record": (lambda r: r.content.__setitem__(p.ARRAYS, MetricRecord({"x": 1.0})),
                                   "not an ArrayRecord"),
+    # finite as float64, Inf once cast to the model's float32
+    "extractor weights that overflow float32": (set_array(p.MODEL, "extractor.0.weight",
+                                                          lambda a: np.full(a.shape, 1e300)), "NaN or Inf"),
+    "a head of strings": (set_array(p.MODEL, "head.bias", lambda a: a.astype(str)), "not an array of numbers"),
+    "a head of float128": (set_array(p.MODEL, "head.bias", lambda a: a.astype(np.longdouble)),
+                           "not an array of numbers"),
+    "a packed member that is no .npy file": (_replace_packed(p.ARRAYS, _zip(f"{p.MODEL}/head.bias", b"\0" * 40)),
+                                             "not an array of numbers (bytes)"),
+    "a packed member flagged encrypted": (
+        _replace_packed(p.ARRAYS, _zip(f"{p.MODEL}/head.bias.npy", b"x", encrypted=True)), "not a packed array record"),
+    "no train-loss": (_drop_metric(p.TRAIN_LOSS), "missing metric 'train-loss'"),
+    "metrics as a config record": (_metrics_as_config, "record 'metrics' is not a MetricRecord"),
 }
 
 
@@ -118,12 +157,33 @@ def test_bad_reply_is_rejected_and_logged(case, caplog):
     assert np.isfinite(strategy.centroids).all()
 
 
-def test_an_evaluation_reply_with_impossible_accuracy_is_rejected(caplog):
+def _set_evaluation_metric(key, value):
+    def tamper(reply):
+        reply.content[p.METRICS][key] = value
+    return tamper
+
+
+def _evaluation_metrics_as_config(reply):
+    metrics = dict(reply.content[p.METRICS])
+    reply.content[p.METRICS] = ConfigRecord({**metrics, p.EVAL_SECONDS: "x"})
+
+
+EVALUATION_CASES = {
+    "accuracy 3": (_set_evaluation_metric("accuracy", 3.0), "outside [0, 1]"),
+    "negative eval-seconds": (_set_evaluation_metric(p.EVAL_SECONDS, -1.0), "is negative"),
+    "NaN eval-seconds": (_set_evaluation_metric(p.EVAL_SECONDS, float("nan")), "not a finite number"),
+    "metrics as a config record, with a string": (_evaluation_metrics_as_config, "not a MetricRecord"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVALUATION_CASES))
+def test_a_bad_evaluation_reply_is_rejected(case, caplog):
+    tamper, reason = EVALUATION_CASES[case]
     strategy, arrays = _setup()
 
     def tampering(reply, pid):
         if pid == BAD and reply.content[p.METRICS].get("accuracy") is not None:
-            reply.content[p.METRICS]["accuracy"] = 3.0
+            tamper(reply)
         return reply
 
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
@@ -132,7 +192,7 @@ def test_an_evaluation_reply_with_impossible_accuracy_is_rejected(caplog):
     messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
     with caplog.at_level(logging.WARNING):
         metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(messages))
-    assert "outside [0, 1]" in caplog.text
+    assert reason in caplog.text and "Rejected reply from node" in caplog.text
     assert metrics["num-clients"] == 2
 
 
@@ -150,9 +210,37 @@ def test_two_unregistered_nodes_claiming_one_partition_in_a_round_are_both_rejec
         _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert "claiming partition-id 0: claimed twice" in caplog.text
     assert set(strategy.heads) == {2, 3} and metrics["num-replies"] == 2
+    assert sorted(strategy.node_partition.values()) == [2, 3]  # a rejected reply registers nothing
 
 
-@pytest.mark.parametrize("problem", ["missing partition-id", "client error", "duplicate partition"])
+def test_a_reply_rejected_as_a_duplicate_changes_no_registration(caplog):
+    """A second live node claims partition 0 (a SuperNode started twice): the pre-flight gives
+    it the partition, both nodes' replies are then rejected, and neither moves the partition."""
+    strategy, arrays = _setup()
+    grid = InProcessGrid(RUN_CONFIG, 3)
+    strategy.discover(grid, timeout=60)
+    first = next(n for n, pid in grid.partition_of_node.items() if pid == 0)
+    grid.contexts[999] = grid.contexts[first]
+    grid.partition_of_node[999] = 0
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))  # asks node 999 first
+    registered = dict(strategy.node_partition)
+    assert registered.get(999) == 0 and first not in registered
+    with caplog.at_level(logging.WARNING):
+        _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert "claiming partition-id 0: claimed twice" in caplog.text and metrics["num-replies"] == 2
+    assert strategy.node_partition == registered
+
+
+PREFLIGHT_PROBLEMS = {
+    "missing partition-id": "missing metric 'partition-id'",
+    "client error": "disk on fire",
+    "duplicate partition": "already taken",
+    "a num-partitions the others do not share": "num-partitions 7, the federation's is 3",
+    "a num-partitions past any federation": "is not an integer in [1, 1,000,000]",
+}
+
+
+@pytest.mark.parametrize("problem", sorted(PREFLIGHT_PROBLEMS))
 def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
     def tampering(reply, pid):
         if reply.metadata.message_type == MessageType.QUERY and pid == BAD:
@@ -160,15 +248,18 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
                 reply.content[p.METRICS] = MetricRecord({"num-partitions": 4, "num-examples": 60, "test-examples": 30})
             elif problem == "duplicate partition":
                 reply.content[p.METRICS][p.PARTITION_ID] = 0
+            elif problem == "a num-partitions the others do not share":
+                reply.content[p.METRICS]["num-partitions"] = 7
+            elif problem == "a num-partitions past any federation":
+                reply.content[p.METRICS]["num-partitions"] = 10**13
             else:
                 return Message(Error(code=0, reason="DataError: disk on fire"), reply_to=reply)
         return reply
 
     strategy, _ = _setup()
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
-    expected = {"missing partition-id": "missing metric 'partition-id'", "client error": "disk on fire",
-                "duplicate partition": "already taken"}[problem]
-    with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{expected}"):
+    expected = PREFLIGHT_PROBLEMS[problem]
+    with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{re.escape(expected)}"):
         strategy.discover(grid, timeout=60)
 
 

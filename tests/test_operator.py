@@ -586,10 +586,25 @@ def test_good_client_data_still_loads(tmp_path):
 # ---------------------------------------------------------------------------- bounded influence
 
 
-def test_capped_sample_weights_bound_one_client_by_the_median():
-    np.testing.assert_array_equal(capped_sample_weights(np.array([120_000, 100, 90]), 10.0), [1000, 100, 90])
+def test_capped_sample_weights_bound_one_client_by_the_median_of_the_others():
+    # 120,000 against the others' median 95
+    np.testing.assert_array_equal(capped_sample_weights(np.array([120_000, 100, 90]), 10.0), [950, 100, 90])
     np.testing.assert_array_equal(capped_sample_weights(np.array([120_000, 100, 90]), 0.0), [120_000, 100, 90])
     np.testing.assert_array_equal(capped_sample_weights(np.array([300, 100, 200]), 10.0), [300, 100, 200])
+    np.testing.assert_array_equal(capped_sample_weights(np.array([500]), 10.0), [500])
+
+
+@pytest.mark.parametrize("honest", [[100], [100, 90, 110], [60, 600, 3000, 50]])
+def test_no_claim_buys_more_than_the_ratio_of_the_others_median(honest):
+    """The cap is the others' median, so a liar's claim cannot raise its own cap: with the
+    median over all claims, one of two clients could claim any n and own the average."""
+    others = np.median(honest)
+    for claim in [10**3, 10**6, 10**12]:
+        weights = capped_sample_weights(np.array([claim, *honest], dtype=np.float64), 10.0)
+        assert weights[0] == min(claim, 10.0 * others)
+        # honest clients within the ratio of each other keep their counts
+        if max(honest) <= 10 * min(honest):
+            np.testing.assert_array_equal(weights[1:], honest)
 
 
 def _inflate(pid_to_inflate: int, claimed: int):

@@ -288,3 +288,23 @@ def test_a_training_error_the_superlink_writes_for_an_offline_node_names_that_no
         _, replies, (new_arrays, _) = _train_round(strategy, grid, arrays)
     assert len(replies) == 3 and new_arrays is not None  # two valid replies are enough
     assert f"Rejected reply from node {dead} (partition 2): client error: Error: Node Unavailable" in caplog.text
+
+
+def test_a_round_with_every_node_gone_fails_and_the_run_stops_cleanly(caplog):
+    """Every SuperNode died after the pre-flight: a sampled round has nobody to send to. It is a
+    round without replies (counted against max-failed-rounds), not a crash of the server."""
+    from server_app.strategy import FederationStalled
+
+    strategy, arrays = _strategy(parse_run_config(RUN_CONFIG), fraction_train=0.5, fraction_evaluate=0.5,
+                                 max_failed_rounds=1)
+    grid = OfflineGrid(RUN_CONFIG, 3)
+    strategy.discover(grid, timeout=60)
+    grid.expired = set(grid.contexts)
+    strategy.discovery_timeout = 0.01  # how long a round waits for nodes to come back
+    with caplog.at_level(logging.WARNING):
+        messages, replies, (new_arrays, metrics) = _train_round(strategy, grid, arrays, 1)
+        assert messages == [] and replies == [] and new_arrays is None and metrics is None
+        assert list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid)) == []
+        with pytest.raises(FederationStalled, match="max-failed-rounds = 1"):
+            _train_round(strategy, grid, arrays, 2)
+    assert "only 0 of the 2 required nodes connected" in caplog.text
