@@ -108,39 +108,43 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         meta = json.loads(str(arrays.pop("meta")))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
         raise CheckpointError(f"cannot read checkpoint {path} (truncated or not a checkpoint?): {err}") from err
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT_VERSION}")
-    heads: dict[int, p.NDArrays] = {}
-    client_extractors: dict[int, p.NDArrays] = {}
-    anchor_parts: dict[int, dict[str, np.ndarray]] = {}
-    posterior_scales: dict[int, p.NDArrays] = {}
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {path} has format {found}, expected {FORMAT_VERSION}")
+    try:
+        return _unpacked(arrays, meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        # a readable file of the right format with parts missing or of the wrong kind: edited by
+        # hand, or written by other software; name the problem instead of a bare KeyError
+        raise CheckpointError(f"checkpoint {path} is malformed ({type(err).__name__}: {err})") from err
+
+
+def _unpacked(arrays: dict[str, np.ndarray], meta: dict) -> Checkpoint:
+    """The checkpoint held by an archive's arrays and its ``meta`` record."""
+    per_partition: dict[str, dict[int, p.NDArrays]] = {
+        section: {} for section in ("head", "client-extractor", "anchors", "posterior-scale")
+    }
     for name, value in arrays.items():
-        if name.startswith("head/"):
-            _, pid, key = name.split("/", 2)
-            heads.setdefault(int(pid), {})[key] = value
-        elif name.startswith("client-extractor/"):
-            _, pid, key = name.split("/", 2)
-            client_extractors.setdefault(int(pid), {})[key] = value
-        elif name.startswith("anchors/"):
-            _, pid, key = name.split("/", 2)
-            anchor_parts.setdefault(int(pid), {})[key] = value
-        elif name.startswith("posterior-scale/"):
-            _, pid, key = name.split("/", 2)
-            posterior_scales.setdefault(int(pid), {})[key] = value
+        section, _, rest = name.partition("/")
+        if section in per_partition:
+            pid, key = rest.split("/", 1)
+            per_partition[section].setdefault(int(pid), {})[key] = value
     global_head = {k[len("global-head/"):]: v for k, v in arrays.items() if k.startswith("global-head/")}
     return Checkpoint(
         completed_rounds=int(meta["completed_rounds"]),
         extractor={k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")},
         centroids=arrays["centroids"],
         centroid_mask=arrays["centroid_mask"].astype(bool),
-        heads=heads,
+        heads=per_partition["head"],
         rounds=[_record(r) for r in meta["rounds"]],
         model_shape=tuple(meta["model_shape"]),
         seed=int(meta["seed"]),
         strategy=str(meta.get("strategy", "fedpac")),  # checkpoints from before the baselines
         global_head=global_head or None,
-        client_extractors=client_extractors,
-        anchors={pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in anchor_parts.items()},
+        client_extractors=per_partition["client-extractor"],
+        anchors={
+            pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in per_partition["anchors"].items()
+        },
         config=dict(meta.get("config", {})),
-        posterior_scales=posterior_scales,
+        posterior_scales=per_partition["posterior-scale"],
     )

@@ -1,6 +1,7 @@
 """Checkpoints after every round; a crashed run resumes to the same final model."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -131,6 +132,28 @@ def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
     data = (run_dir / "checkpoint.npz").read_bytes()
     (run_dir / "checkpoint.npz").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or not a checkpoint"):
+        load_checkpoint(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda arrays, meta: arrays.pop("centroids"), "KeyError: 'centroids'"),
+        (lambda arrays, meta: meta.pop("completed_rounds"), "KeyError: 'completed_rounds'"),
+        (lambda arrays, meta: meta.update(rounds=5), "TypeError"),
+        (lambda arrays, meta: arrays.update({"head/first/head.weight": np.zeros(2)}), "ValueError"),
+        (lambda arrays, meta: meta.update(rounds=[{"round": 1, "unknown": 2}]), "TypeError"),
+    ],
+)
+def test_a_checkpoint_with_missing_or_foreign_parts_is_a_clear_error(tmp_path, edit, problem):
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    with np.load(run_dir / "checkpoint.npz") as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    edit(arrays, meta)
+    np.savez(run_dir / "checkpoint.npz", meta=np.array(json.dumps(meta)), **arrays)
+    with pytest.raises(CheckpointError, match=f"is malformed \\({re.escape(problem)}"):
         load_checkpoint(run_dir)
 
 

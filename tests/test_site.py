@@ -393,15 +393,17 @@ def test_host_slot_waiters_wait_in_line_and_only_the_first_looks_for_a_free_slot
 
     monkeypatch.setattr(warm_executor.HostSlots, "_take_one", counted)
     order: list[int] = []
+    first_holds = threading.Event()
 
     def hold(number: int) -> None:
         with slots.held():
             order.append(number)
+            first_holds.set()
             time.sleep(0.1)
 
     first = threading.Thread(target=hold, args=(0,))
     first.start()
-    time.sleep(0.05)
+    assert first_holds.wait(timeout=30)  # the others arrive while the only slot is taken
     waiting = [threading.Thread(target=hold, args=(n,)) for n in range(1, 6)]
     for thread in waiting:
         thread.start()
