@@ -81,12 +81,14 @@ class Workstation:
         return result.stdout
 
     def wait_until_reachable(self, timeout: float = 90, alive: Callable[[], bool] = lambda: True) -> None:
-        deadline = time.monotonic() + timeout
+        deadline, answer = time.monotonic() + timeout, ""
         while time.monotonic() < deadline and alive():
-            if self.flwr_result("supernode", "ls", FEDERATION).returncode == 0:
+            result = self.flwr_result("supernode", "ls", FEDERATION)
+            if result.returncode == 0:
                 return
+            answer = (result.stdout + result.stderr)[-1500:]
             time.sleep(1)
-        raise RuntimeError("the SuperLink's Control API is not reachable")
+        raise RuntimeError(f"the SuperLink's Control API is not reachable; flwr's last answer:\n{answer}")
 
     def register(self, keys: Path, *node_ids: int) -> None:
         for pid in node_ids:

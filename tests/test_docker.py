@@ -10,6 +10,7 @@ the Python wheels come from the host (deploy/build-images.sh --wheelhouse).
 from __future__ import annotations
 
 import csv
+import ipaddress
 import json
 import os
 import shutil
@@ -29,7 +30,6 @@ LOCAL_BASE = "local/pybase:bookworm"
 # on; their pip find-links hold this CPU build of torch.
 CPU_TORCH = os.environ.get("FEDPAC_TEST_CPU_TORCH", "2.13.0+cpu")
 CPU_TORCH_INDEX = os.environ.get("FEDPAC_TEST_CPU_TORCH_INDEX", "none")
-SUBNET = "10.213.78"
 PROJECT = "fedpac-test"
 
 
@@ -81,7 +81,7 @@ def images(docker_engine, tmp_path_factory):
         pytest.fail(f"deploy/build-images.sh failed:\n{build.stdout[-2000:]}\n{build.stderr[-4000:]}")
 
 
-TEST_OVERRIDE = f"""\
+TEST_OVERRIDE = """\
 # No published ports and no network that leaves the machine: the host reaches the SuperLink's
 # Control API at a fixed address on the (internal) control network instead.
 services:
@@ -90,20 +90,32 @@ services:
     networks:
       fleet: {{}}
       control:
-        ipv4_address: {SUBNET}.10
+        ipv4_address: {subnet}.10
 networks:
   control:
     internal: true
     ipam:
       config:
-        - subnet: {SUBNET}.0/24
+        - subnet: {subnet}.0/24
 """
 
 
+def unrouted_subnet() -> str:
+    """A /24 for the control network that no route of this host covers yet: a bridge left behind by
+    an engine that died mid-test (or anyone's network) would otherwise take the host's packets."""
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
+    routed = [ipaddress.ip_network(line.split()[0], strict=False) for line in routes.splitlines()
+              if line[:1].isdigit()]
+    for third in range(78, 255):
+        if not any(ipaddress.ip_network(f"10.213.{third}.0/24").overlaps(net) for net in routed):
+            return f"10.213.{third}"
+    raise RuntimeError(f"every 10.213.x.0/24 from x = 78 is routed on this host:\n{routes}")
+
+
 class Cluster:
-    def __init__(self, workdir: Path, certs: Path, data: Path) -> None:
+    def __init__(self, workdir: Path, certs: Path, data: Path, subnet: str) -> None:
         override = workdir / "docker-compose.test.yml"
-        override.write_text(TEST_OVERRIDE)
+        override.write_text(TEST_OVERRIDE.format(subnet=subnet))
         self.command = ["compose", "--project-name", PROJECT, "--project-directory", str(ROOT),
                         "-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "docker-compose.cpu.yml"),
                         "-f", str(override)]
@@ -118,19 +130,23 @@ class Cluster:
 
 
 def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
-    certs = create_certificates(tmp_path / "certs", 3, f"{SUBNET}.10")
+    subnet, certs, data = unrouted_subnet(), tmp_path / "certs", tmp_path / "data"
+    cluster = Cluster(tmp_path, certs, data, subnet)
+    cluster("down", "--volumes", "--timeout", "5")  # what an interrupted run of this test left
+    create_certificates(certs, 3, f"{subnet}.10")
     subprocess.run(["chown", "49999:49999", str(certs / "superlink.key"), str(certs / "superexec.secret"),
                     *[str(certs / "keys" / f"supernode-{i}{ext}") for i in range(3) for ext in ("", ".secret")]],
                    check=True)
-    data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
                     "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
     subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)
-    cluster = Cluster(tmp_path, certs, data)
-    workstation = Workstation(tmp_path / "flwr-home", f"{SUBNET}.10:9093", certs / "ca.crt")
+    workstation = Workstation(tmp_path / "flwr-home", f"{subnet}.10:9093", certs / "ca.crt")
     try:
         cluster("up", "-d", "superlink")
-        workstation.wait_until_reachable()
+        try:
+            workstation.wait_until_reachable()
+        except RuntimeError as error:
+            raise AssertionError(f"{error}\n{cluster('ps', '--all')}\n{cluster.logs()}") from error
         workstation.register(certs / "keys", 0, 1, 2)
         cluster("up", "-d")
         run_id = workstation.submit(f"{SMALL} num-server-rounds=2 min-available-clients=3")
