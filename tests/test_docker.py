@@ -83,7 +83,7 @@ def images(docker_engine, tmp_path_factory):
 
 TEST_OVERRIDE = """\
 # No published ports and no network that leaves the machine: the host reaches the SuperLink's
-# Control API at a fixed address on the (internal) control network instead.
+# Control API at .10 of the (internal) control network instead, in a /24 the host routes nowhere else.
 services:
   superlink:
     ports: !reset []
