@@ -13,15 +13,17 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from experiments.archive import archive_grid
 from experiments.grid import GridError, Overrides, load_grid, parse_assignment
 from experiments.runner import cell_directory, main, plan
-from experiments.summary import finished_run
+from experiments.summary import finished_run, resumable_run
 
 TINY = """
 rounds = 2
@@ -212,6 +214,8 @@ def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-
         rounds.append(record)
     (run / "metrics.json").write_text(json.dumps({"config": config, "rounds": rounds}))
     (run / "checkpoint.npz").write_bytes(b"checkpoint")
+    (run / "status.json").write_text(json.dumps({
+        "state": "finished" if finished else "running", "completed_rounds": len(rounds), "num_rounds": cell.rounds}))
     if finished:
         (run / "final_state.npz").write_bytes(b"final")
     return run
@@ -561,6 +565,39 @@ def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
     simulation = FakeSimulation()
     assert main([str(grid), "--out", str(other), *args[3:]], execute=simulation) == 0
     assert simulation.calls == [("fedavg", 0, None)]
+
+
+def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path, capsys):
+    """``experiments.archive``: what a grid in progress needs to go on elsewhere, and no more."""
+    grid, out = _grid(tmp_path), tmp_path / "machine-1" / "grid"
+    assert main([str(grid), "--out", str(out), "--seeds", "0"], execute=FakeSimulation(crash={"fedpac"})) == 1
+    fedavg, fedpac = (c for _, c in load_grid(grid, Overrides(seeds=[0]))[0].cells())
+    finished = finished_run(cell_directory(out, fedavg), fedavg)
+    stopped = resumable_run(cell_directory(out, fedpac), fedpac)
+    assert finished is not None and stopped is not None
+    (finished.directory / "accuracy.png").write_bytes(b"chart")
+    # a newer run of the stopped cell stalled: the runner would go on from the one before it
+    stalled = _fake_run(fedpac, cell_directory(out, fedpac), [0.5], finished=False, name="run-9")
+    (stalled / "status.json").write_text(json.dumps({"state": "failed", "error": "FederationStalled: ..."}))
+    os.utime(stopped.directory / "metrics.json", (1, 1))
+
+    archive_grid(out, tmp_path / "grid.tgz", full_rounds=2)
+    with tarfile.open(tmp_path / "grid.tgz") as archive:
+        names = set(archive.getnames())
+        archive.extractall(tmp_path / "machine-2", filter="data")
+    in_archive = {p.relative_to(out.parent).as_posix() for p in out.rglob("*") if p.is_file()} & names
+    assert not any(name.endswith(".png") for name in names)
+    assert {name.rsplit("/", 1)[-1] for name in in_archive if name.startswith(
+        finished.directory.relative_to(out.parent).as_posix())} == {"metrics.json", "status.json"}
+    for kept in (stopped.directory, stalled):  # the run to resume, with its checkpoint, and the newest
+        assert (kept.relative_to(out.parent) / "checkpoint.npz").as_posix() in names
+
+    capsys.readouterr()
+    elsewhere = FakeSimulation()
+    assert main([str(grid), "--out", str(tmp_path / "machine-2" / "grid"), "--seeds", "0"], execute=elsewhere) == 0
+    assert [(method, resume_from.name if resume_from else None) for method, _, resume_from in elsewhere.calls] == [
+        ("fedpac", stopped.directory.name)]
+    assert "fedavg | seed 0: finished before, skipped" in capsys.readouterr().out
 
 
 _STOPPABLE_RUNNER = """
