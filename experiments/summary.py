@@ -4,7 +4,8 @@ Per experiment: ``summary.csv`` (method, setting, clients, rounds, seeds, mean, 
 accuracy over seeds, in %), ``curves.csv`` (the personalized accuracy at every round),
 ``table.md`` (methods x settings, with the paper's numbers where the grid gives them),
 ``accuracy.png`` (mean personalized accuracy per round, one panel per setting, every method in
-it, mean over seeds with a +-1 std band) and
+it, mean over seeds with a +-1 std band), with more than one setting ``by-setting.png`` (the
+final accuracy against the setting, a line per method: Figure 1a's form) and
 ``alpha/<setting>-<method>-seed<s>-round<r>.png`` (combination weights at the grid's chosen
 rounds, for the methods that have them).
 
@@ -367,6 +368,39 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     save_figure(fig, path)
 
 
+def setting_lines(experiment: Experiment, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Per method, its (setting index, mean, std) points in the grid's order of settings: the
+    final accuracy against the setting. A std over one seed is 0; a mean not measured is left out."""
+    names = [setting.name for setting in experiment.settings]
+    lines = {}
+    for method in experiment.methods:
+        points = sorted((names.index(r["setting"]), r["mean"], 0.0 if math.isnan(r["std"]) else r["std"])
+                        for r in rows if r["method"] == method and not math.isnan(r["mean"]))
+        if points:
+            lines[method] = np.asarray(points, dtype=np.float64)
+    return lines
+
+
+def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Path) -> None:
+    """The final accuracy against the setting (:func:`setting_lines`; +-1 std over seeds as
+    error bars): the form of the paper's Figure 1a, the accuracy as the data grows less
+    heterogeneous."""
+    names = [setting.name for setting in experiment.settings]
+    fig = Figure(figsize=(max(5.2, 1.3 * len(names) + 2.6), 3.9))
+    ax = fig.subplots()
+    for method, points in setting_lines(experiment, rows).items():
+        ax.errorbar(points[:, 0], points[:, 1], yerr=points[:, 2], marker="o", capsize=3, label=method)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlim(-0.5, len(names) - 0.5)
+    ax.set_xlabel("setting")
+    ax.set_ylabel(f"final {experiment.metric} test accuracy (%)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(loc="best", fontsize=8)
+    ax.set_title(textwrap.fill(experiment.title, width=60), fontsize=10)
+    save_figure(fig, path)
+
+
 def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> list[Path]:
     """Combination-weight heatmaps at the chosen rounds, first seed, methods with alpha only."""
     written = []
@@ -443,5 +477,7 @@ def write_report(experiment: Experiment, results: Results, directory: Path) -> l
     if experiment.metric == "generalized":
         atomic_write(directory / "curves-generalized.csv", curves_csv(experiment, results, generalized=True))
     plot_accuracy(experiment, results, directory / "accuracy.png")
+    if len(experiment.settings) > 1:
+        plot_by_setting(experiment, rows, directory / "by-setting.png")
     plot_alphas(experiment, results, directory / "alpha")
     return rows

@@ -22,7 +22,7 @@ import pytest
 
 from experiments.archive import archive_grid
 from experiments.grid import GridError, Overrides, load_grid, parse_assignment
-from experiments.runner import cell_directory, main, plan
+from experiments.runner import cell_directory, main, plan, results_of
 from experiments.summary import finished_run, resumable_run
 
 TINY = """
@@ -397,6 +397,34 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     assert (report / "accuracy.png").stat().st_size > 0
     alphas = sorted(p.name for p in (report / "alpha").iterdir())
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
+
+
+def test_an_experiment_over_several_settings_plots_the_final_accuracy_against_the_setting(tmp_path):
+    from experiments.summary import setting_lines, summary_rows
+
+    text = TINY.replace('[experiments.tiny.settings.s-20]', """[experiments.tiny.settings.s-0]
+run-config = { uniform-share = 0.0 }
+
+[experiments.tiny.settings.s-80]
+run-config = { uniform-share = 80.0 }
+
+[experiments.tiny.settings.s-20]""")
+    grid, out = _grid(tmp_path, text), tmp_path / "out"
+    # FedPAC's s-80 cells are missing: its line has the settings it has, in the grid's order
+    assert main([str(grid), "--out", str(out), "--seeds", "0,1", "--settings", "s-0,s-20"],
+                execute=FakeSimulation()) == 0
+    assert main([str(grid), "--out", str(out), "--seeds", "0", "--settings", "s-80", "--methods", "fedavg"],
+                execute=FakeSimulation()) == 0
+    (experiment,) = load_grid(grid, Overrides(seeds=[0, 1]))
+    lines = setting_lines(experiment, summary_rows(experiment, results_of(experiment, out)))
+    # the settings in the grid file's order: s-0, s-80, s-20
+    np.testing.assert_allclose(lines["fedavg"], [[0, 81.0, math.sqrt(2)], [1, 80.0, 0.0], [2, 81.0, math.sqrt(2)]])
+    np.testing.assert_allclose(lines["fedpac"], [[0, 91.0, math.sqrt(2)], [2, 91.0, math.sqrt(2)]])
+    assert (out / "tiny" / "by-setting.png").stat().st_size > 0
+    # one setting: no such chart
+    (tmp_path / "one").mkdir()
+    assert main([str(_grid(tmp_path / "one")), "--out", str(tmp_path / "one-out")], execute=FakeSimulation()) == 0
+    assert not (tmp_path / "one-out" / "tiny" / "by-setting.png").exists()
 
 
 class GeneralizedSimulation(FakeSimulation):
