@@ -25,10 +25,12 @@ RESUME_FILES = frozenset({"checkpoint.npz", "final_state.npz"})
 
 def runs_to_keep(cell: Path) -> list[RunOutputs]:
     """The cell's newest run (its history) and, when that one is not it, the run the runner
-    would resume from (a newer run that stalled is not continued: ``summary.resume_point``)."""
+    would resume from (a newer run that stalled is not continued: ``summary.resume_point``);
+    a stopped run older than a finished one is continued by nothing."""
     runs = sorted((r for r in map(read_run, (d for d in cell.iterdir() if d.is_dir())) if r is not None),
                   key=lambda run: run.written)
-    partial = [r for r in runs if r.resumable and not r.finished and not r.stalled]
+    last_finished = max((run.written for run in runs if run.finished), default=float("-inf"))
+    partial = [r for r in runs if r.resumable and not r.finished and not r.stalled and r.written > last_finished]
     keep = {run.directory: run for run in (runs[-1:] + partial[-1:])}
     return sorted(keep.values(), key=lambda run: run.written)
 

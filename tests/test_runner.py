@@ -608,6 +608,9 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
     stalled = _fake_run(fedpac, cell_directory(out, fedpac), [0.5], finished=False, name="run-9")
     (stalled / "status.json").write_text(json.dumps({"state": "failed", "error": "FederationStalled: ..."}))
     os.utime(stopped.directory / "metrics.json", (1, 1))
+    # a run of the finished cell stopped before the one that finished it: nothing continues it
+    superseded = _fake_run(fedavg, cell_directory(out, fedavg), [0.5], finished=False, name="run-0")
+    os.utime(superseded / "metrics.json", (1, 1))
 
     archive_grid(out, tmp_path / "grid.tgz", full_rounds=2)
     with tarfile.open(tmp_path / "grid.tgz") as archive:
@@ -619,6 +622,7 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
         finished.directory.relative_to(out.parent).as_posix())} == {"metrics.json", "status.json"}
     for kept in (stopped.directory, stalled):  # the run to resume, with its checkpoint, and the newest
         assert (kept.relative_to(out.parent) / "checkpoint.npz").as_posix() in names
+    assert not any(name.startswith(superseded.relative_to(out.parent).as_posix()) for name in names)
 
     capsys.readouterr()
     elsewhere = FakeSimulation()
