@@ -30,7 +30,7 @@ def runs_to_keep(cell: Path) -> list[RunOutputs]:
     runs = sorted((r for r in map(read_run, (d for d in cell.iterdir() if d.is_dir())) if r is not None),
                   key=lambda run: run.written)
     last_finished = max((run.written for run in runs if run.finished), default=float("-inf"))
-    partial = [r for r in runs if r.resumable and not r.finished and not r.stalled and r.written > last_finished]
+    partial = [r for r in runs if r.continuable and r.written > last_finished]
     keep = {run.directory: run for run in (runs[-1:] + partial[-1:])}
     return sorted(keep.values(), key=lambda run: run.written)
 

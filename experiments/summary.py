@@ -73,6 +73,11 @@ class RunOutputs:
         return (self.directory / "checkpoint.npz").is_file()
 
     @property
+    def continuable(self) -> bool:
+        """A run the runner may continue: stopped (not finished) with a checkpoint, not stalled."""
+        return self.resumable and not self.finished and not self.stalled
+
+    @property
     def stalled(self) -> bool:
         """The run stopped because its federation stalled: its last rounds had too few training
         replies (in a simulation, workers killed for memory, say), and its checkpoint counts
@@ -152,8 +157,7 @@ def resume_point(directory: Path, cell: Cell) -> tuple[RunOutputs | None, list[R
     stalled runs excepted (:attr:`RunOutputs.stalled`): the run before them, if any, is
     resumed; and the stalled runs passed over for it (newer than it), oldest first."""
     runs = cell_runs(directory, cell)
-    partial = [r for r in runs
-               if r.resumable and not r.finished and not r.stalled and 0 < r.completed_rounds < cell.rounds]
+    partial = [r for r in runs if r.continuable and 0 < r.completed_rounds < cell.rounds]
     start = partial[-1] if partial else None
     return start, [r for r in runs if r.stalled and (start is None or r.written > start.written)]
 
