@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-rounds", type=int, default=200,
                         help="rounds of a run that nothing continues (default: 200, the paper's)")
     args = parser.parse_args(argv)
-    files = archive_grid(args.grid, args.destination, args.full_rounds)
+    try:
+        files = archive_grid(args.grid, args.destination, args.full_rounds)
+    except OSError as error:  # not a grid folder, an unwritable destination: one line, no traceback
+        parser.exit(1, f"experiments.archive: {error}\n")
     size = args.destination.stat().st_size / 2**20
     print(f"{args.destination}: {len(files)} files of {args.grid}, {size:.1f} MiB")
 
