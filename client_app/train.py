@@ -146,19 +146,26 @@ def train_head(  # pylint: disable=too-many-arguments
 
     Defaults to FedPAC's ``head-epochs`` at ``head-lr`` (also FedCCFA's personal head); FedRep,
     FedAvg-FT and FedCCFA's balanced head pass their own.
+
+    The features are extracted once, not once an epoch: the extractor is frozen and has neither
+    dropout nor batch norm (``common.model``), so every epoch would compute the same f(x). With
+    FedRep's 10 head epochs or FedAvg-FT's 5 fine-tuning epochs, that repeated forward pass was
+    most of the head's cost. They are extracted in chunks of the training batch size because a
+    CPU convolution's last bits depend on the batch's size (not on which samples are in it):
+    a full batch then trains on the very features a forward pass of that batch would give.
     """
     epochs = cfg.head_epochs if epochs is None else epochs
     if epochs == 0:
         return 0.0
     model.train()
+    with torch.no_grad(), _autocast(x, cfg):  # the extractor is frozen: no graph through it at all
+        features = torch.cat([model.extractor(chunk) for chunk in x.split(cfg.batch_size)])
     optimizer = _sgd(model.head.parameters(), cfg.head_lr if lr is None else lr, cfg)
     total, seen = torch.zeros((), device=x.device), 0
     for _ in range(epochs):
         for idx in _batches(len(x), cfg.batch_size, generator, x.device):
             with _autocast(x, cfg):
-                with torch.no_grad():  # the extractor is frozen: no graph through it at all
-                    features = model.extractor(x[idx])
-                loss = F.cross_entropy(model.head(features).float(), y[idx])
+                loss = F.cross_entropy(model.head(features[idx]).float(), y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -1,5 +1,6 @@
 """The local update: what trains when, and where the alignment gradient goes."""
 
+import copy
 import dataclasses
 import statistics
 
@@ -58,6 +59,36 @@ def test_head_epoch_leaves_extractor_untouched():
     train_head(model, x, y, CFG, torch.Generator().manual_seed(0))
     assert not any(_changed(extractor_before, model.extractor))
     assert all(_changed(head_before, model.head))
+
+
+@pytest.mark.parametrize("n", [24, 27])  # full batches of 8; then a last batch of 3
+def test_head_epochs_on_features_extracted_once_train_the_head_a_forward_pass_per_batch_would(n):
+    cached, x, y = _model_and_data(n)
+    per_batch = copy.deepcopy(cached)
+    loss = train_head(cached, x, y, CFG, torch.Generator().manual_seed(0), epochs=3)
+    per_batch_epochs = load_bench("head_epochs").head_epochs_per_batch
+    reference = per_batch_epochs(per_batch, x, y, CFG, torch.Generator().manual_seed(0), 3)
+    assert all(torch.equal(a, b) for a, b in zip(cached.extractor.parameters(), per_batch.extractor.parameters()))
+    heads = list(zip(cached.head.parameters(), per_batch.head.parameters()))
+    assert not torch.equal(heads[0][0], _model_and_data(n)[0].head.weight)  # the head did train
+    if n % CFG.batch_size == 0:  # every batch's features are the bits of that batch's forward pass
+        assert all(torch.equal(a, b) for a, b in heads)
+    else:  # the last batch's samples were extracted in other chunks: rounding differences only
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in heads)
+    assert loss == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 28), (3, 32)])
+def test_the_extractor_computes_the_same_features_in_training_and_evaluation_mode(shape):
+    """What extracting the head's features once relies on: no dropout, no batch norm (no
+    buffers), so f(x) does not change between epochs or with model.train()/eval()."""
+    extractor = FedPACNet(*shape, 10).extractor
+    assert not list(extractor.buffers())
+    x = torch.randn(16, shape[0], shape[1], shape[1])
+    with torch.no_grad():
+        first, second = extractor.train()(x), extractor.train()(x)
+        evaluated = extractor.eval()(x)
+    assert torch.equal(first, second) and torch.equal(first, evaluated)
 
 
 def test_extractor_epochs_leave_head_untouched_and_use_alignment():
