@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +92,13 @@ class Workstation:
         raise RuntimeError(f"the SuperLink's Control API is not reachable; flwr's last answer:\n{answer}")
 
     def register(self, keys: Path, *node_ids: int) -> None:
-        for pid in node_ids:
+        """Register the nodes' public keys, as many ``flwr`` processes at a time as there are
+        cores: each pays the CLI's start-up (2.5 s), 52 s for 20 nodes one after another."""
+        def one(pid: int) -> None:
             self.flwr("supernode", "register", str(keys / f"supernode-{pid}.pub"), FEDERATION)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(node_ids), os.cpu_count() or 1))) as pool:
+            list(pool.map(one, node_ids))
 
     def submit(self, run_config: str) -> str:
         out = self.flwr("run", str(ROOT), FEDERATION, "--format", "json", "--run-config", run_config)

@@ -1,0 +1,111 @@
+"""The CUDA path: on a GPU every client routine computes what it computes on the CPU, and learns.
+
+These tests need a CUDA device: the GPU kit runs them there (``deploy/gpu/run-kit.sh``, step
+``tests``). Where torch sees no GPU (CI, the development machines) they are skipped: nothing
+here can stand in for the device they check.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from client_app.train import Received, evaluate, local_update
+from common import protocol as p
+from common.config import FedPACConfig
+from common.model import FedPACNet
+from common.variational import softplus_inverse
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU kit runs it)"),
+]
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+# One routine of each kind: alternating with centroids, representation, joint, clustered with
+# anchors, variational.
+METHODS_UNDER_TEST = ("fedpac", "fedrep", "fedavg", "fedccfa", "pfedvem")
+
+
+def _task(n: int = 240, classes: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose class is a bright square in one of four places, under noise: learnable."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % classes
+    x = 0.5 * torch.randn(n, 1, 28, 28, generator=g)
+    for k in range(classes):
+        row, col = divmod(k, 2)
+        x[y == k, :, 14 * row + 3 : 14 * row + 11, 14 * col + 3 : 14 * col + 11] += 2.0
+    return x, y
+
+
+def _received(method: str, model: FedPACNet, device: torch.device) -> Received:
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randn(10, 128, generator=g).to(device)
+    mask = torch.ones(10, dtype=torch.bool, device=device)
+    if method == "fedccfa":  # round 21: the anchors are on (align-from-round 20)
+        head = {k: v.detach().clone() for k, v in model.head.state_dict().items()}
+        return Received(server_round=21, targets=targets, target_mask=mask, initial_head=head,
+                        has_personal_head=True)
+    if method == "pfedvem":
+        weight = torch.randn(model.head.weight.shape, generator=g).to(device)
+        bias = torch.randn(model.head.bias.shape, generator=g).to(device)
+        s = softplus_inverse(0.7)
+        return Received(posterior={p.PRIOR_WEIGHT: weight, p.PRIOR_BIAS: bias,
+                                   p.SCALE_WEIGHT: torch.full_like(weight, s),
+                                   p.SCALE_BIAS: torch.full_like(bias, s)})
+    return Received(targets=targets, target_mask=mask)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """The CPU comparison wants float32 on the GPU too: cuDNN's convolutions default to TF32."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def _update_on(device: torch.device, method: str, cfg: FedPACConfig):
+    torch.manual_seed(0)
+    model = FedPACNet(1, 28, 10).to(device)
+    x, y = (t.to(device) for t in _task())
+    update = local_update(model, x, y, _received(method, model, device), cfg, torch.Generator().manual_seed(0))
+    return model, update
+
+
+@pytest.mark.parametrize("method", METHODS_UNDER_TEST)
+def test_a_local_update_on_the_gpu_matches_the_cpu(method):
+    cfg = FedPACConfig(strategy=method, local_epochs=2, batch_size=20)
+    cpu_model, cpu_update = _update_on(CPU, method, cfg)
+    gpu_model, gpu_update = _update_on(CUDA, method, cfg)
+    assert all(q.device.type == "cuda" for q in gpu_model.parameters())
+    # Same batches, same steps: only the order of the float arithmetic differs.
+    for (name, a), b in zip(cpu_model.state_dict().items(), gpu_model.state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=f"{method}: {name}")
+    assert gpu_update.train_loss == pytest.approx(cpu_update.train_loss, rel=1e-2, abs=1e-3)
+    if cpu_update.centroids is not None:
+        torch.testing.assert_close(gpu_update.centroids.cpu(), cpu_update.centroids, rtol=2e-3, atol=2e-3)
+    if cpu_update.statistics is not None:  # (mu, V) for the QP, taken before training
+        assert gpu_update.statistics.v == pytest.approx(cpu_update.statistics.v, rel=1e-4)
+        torch.testing.assert_close(gpu_update.statistics.h.cpu(), cpu_update.statistics.h, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_fedpac_learns_on_the_gpu(mixed_precision):
+    torch.backends.cudnn.allow_tf32 = True  # as the ClientApp runs: TF32 convolutions, optionally bf16
+    cfg = FedPACConfig(local_epochs=3, batch_size=20, mixed_precision=mixed_precision)
+    torch.manual_seed(0)
+    model = FedPACNet(1, 28, 10).to(CUDA)
+    x, y = (t.to(CUDA) for t in _task())
+    x_test, y_test = (t.to(CUDA) for t in _task(seed=1))
+    _, before = evaluate(copy.deepcopy(model), x_test, y_test)
+    for server_round in (1, 2):
+        local_update(model, x, y, dataclasses.replace(_received("fedpac", model, CUDA), server_round=server_round),
+                     cfg, torch.Generator().manual_seed(server_round))
+    _, after = evaluate(model, x_test, y_test)
+    assert all(q.dtype == torch.float32 for q in model.parameters())
+    assert before < 0.5 and after > 0.95
