@@ -8,8 +8,9 @@ plot is never worth a run.
 Both stay off the rounds' critical path as runs grow: a round's share of each table is
 serialized once, when the round is added (a finished round never changes), so rewriting the
 tables costs a join over the history, not a re-serialization of it; and the charts are drawn by
-a background thread (:class:`ChartPainter`) while the next round trains, the newest history
-replacing one not yet drawn. :meth:`RunReport.close` waits for the last charts.
+a background thread (:class:`ChartPainter`) while the next round trains, at most every
+``CHART_INTERVAL`` seconds, the newest history replacing one not yet drawn.
+:meth:`RunReport.close` waits for the last charts.
 """
 
 from __future__ import annotations
@@ -139,20 +140,29 @@ class RoundTables:
     cluster_rows: str  # its lines of clusters.csv
 
 
+CHART_INTERVAL = 10.0  # seconds between two drawings of a run's charts (the last one always drawn)
+
+
 class ChartPainter:
     """Draws a run's charts in a background thread, off the rounds' critical path.
 
     :meth:`submit` hands over the newest history and returns at once; a history not yet drawn
-    when a newer one arrives is dropped (the newer one shows all it would have). :meth:`close`
-    waits for the newest and ends the thread (a later :meth:`submit` starts another). The thread
-    is a daemon: a server that dies does not wait for a chart.
+    when a newer one arrives is dropped (the newer one shows all it would have). A drawing
+    starts at least ``interval`` seconds after the previous one: the thread shares the
+    ServerApp's interpreter lock, and drawing late in a long run takes 0.6 s (20 clients) to
+    2 s (100 clients) (``bench/report_writes.py``), so with rounds of 1.5 s on a GPU a chart per
+    round would keep it busy all the time. :meth:`close` draws the newest at once and ends the
+    thread (a later :meth:`submit` starts another). The thread is a daemon: a server that dies
+    does not wait for a chart.
     """
 
-    def __init__(self, paint: Callable[[list[RoundRecord]], None]) -> None:
+    def __init__(self, paint: Callable[[list[RoundRecord]], None], interval: float = CHART_INTERVAL) -> None:
         self._paint = paint
+        self._interval = interval
         self._ready = threading.Condition()
         self._next: list[RoundRecord] | None = None
         self._thread: threading.Thread | None = None
+        self._last_start = -float("inf")  # time.monotonic() when the last drawing started
 
     def submit(self, rounds: list[RoundRecord]) -> None:
         with self._ready:
@@ -172,16 +182,24 @@ class ChartPainter:
 
     def _loop(self) -> None:
         while (rounds := self._take()) is not None:
+            self._last_start = time.monotonic()
             try:
                 self._paint(rounds)
             except Exception as err:  # pylint: disable=broad-exception-caught  # the next history may draw
                 log(WARNING, "could not draw the charts, the run goes on: %s", err)
 
     def _take(self) -> list[RoundRecord] | None:
-        """Wait for a history to draw and take it; None once closed with nothing left to draw."""
+        """Wait for a history to draw and for its turn (``interval`` after the last drawing),
+        and take it; at once when closed: the newest, or None with nothing left to draw."""
         with self._ready:
-            while self._next is None and self._thread is threading.current_thread():
-                self._ready.wait()
+            while self._thread is threading.current_thread():
+                if self._next is None:
+                    self._ready.wait()
+                    continue
+                wait = self._last_start + self._interval - time.monotonic()
+                if wait <= 0:
+                    break
+                self._ready.wait(wait)
             rounds, self._next = self._next, None
             return rounds
 

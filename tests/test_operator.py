@@ -34,7 +34,7 @@ from common.files import atomic_write
 from federation import InProcessGrid
 from server_app.app import run_fedpac, write_round_outputs
 from server_app.checkpoint import Checkpoint, load_checkpoint
-from server_app.report import RoundRecord, RunReport
+from server_app.report import ChartPainter, RoundRecord, RunReport
 
 ROOT = Path(__file__).resolve().parents[1]
 CERTS = ROOT / "deploy" / "certs.sh"
@@ -348,6 +348,24 @@ def test_charts_are_drawn_off_the_round_and_end_showing_the_last_round(tmp_path,
     assert all(thread == "chart-painter" for thread, _ in drawn)
     assert (tmp_path / "accuracy.png").read_bytes() == b"chart"
     assert set(threading.enumerate()) <= threads_before  # the painter's thread ended with the run
+
+
+def test_charts_are_drawn_at_most_once_an_interval_and_the_last_one_at_close():
+    starts: list[tuple[float, int]] = []
+    painter = ChartPainter(lambda rounds: starts.append((time.monotonic(), len(rounds))), interval=0.4)
+    history: list = []
+    began = time.monotonic()
+    while time.monotonic() - began < 1.0:  # a round every 20 ms, as fast as rounds on a GPU and more
+        history.append(len(history))
+        painter.submit(list(history))
+        time.sleep(0.02)
+    closing = time.monotonic()
+    painter.close()
+    assert time.monotonic() - closing < 0.3  # close draws at once, without waiting for its turn
+    assert starts[-1][1] == len(history)  # the last drawing shows every round
+    assert 2 <= len(starts) <= 5  # 1 s of rounds: the first at once, then every 0.4 s, then close
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(starts, starts[1:-1])]
+    assert all(gap >= 0.4 for gap in gaps)  # never two drawings within the interval (close aside)
 
 
 def test_metrics_json_stays_standard_json_when_a_client_reports_nan(tmp_path):
