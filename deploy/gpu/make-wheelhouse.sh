@@ -111,6 +111,13 @@ echo "largest wheels:"
 ls -S "$wheels"/*.whl | head -5 | while read -r w; do printf '  %s  %s\n' "$(mib "$(stat -c %s "$w")")" "$(basename "$w")"; done
 if [ "$total" -gt $((budget * 1048576)) ]; then
   echo "make-wheelhouse.sh: OVER BUDGET: $(mib "$total") > $budget MiB" >&2
+  # What a device call carries is the working tree as it is: say which folders weigh most, so
+  # that the ones the kit never reads (published runs, grid archives) can leave for the call.
+  echo "largest folders of the working tree (move those the kit does not need out of the checkout for the call):" >&2
+  (cd "$root" && { git ls-files -z --cached; git ls-files -z --others --exclude-standard; } | sort -zu \
+    | xargs -0 -r stat -c '%s %n' 2>/dev/null \
+    | awk '{n = split($2, p, "/"); d = (n > 2) ? p[1] "/" p[2] : p[1]; s[d] += $1} END {for (d in s) print s[d], d}' \
+    | sort -rn | head -5 | while read -r bytes folder; do printf '  %s  %s\n' "$(mib "$bytes")" "$folder"; done) >&2
   exit 1
 fi
 echo "within budget. Carry: deploy/gpu/wheels deploy/gpu/data (paths relative to the repository root)"
