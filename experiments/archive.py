@@ -1,26 +1,46 @@
 """Archive a grid in progress, so that it continues on another machine: ``python -m experiments.archive``.
 
-The paper-length grids run for days on machines that do not last as long. The archive holds,
-for every cell of the grid folder, its ``cell.json`` and ``cell.log``, its newest run folder (a
-resumed run's folder carries the whole history) and, when that is an older one, the run the
-runner would resume from; no charts (the runner redraws them), and no checkpoint or final state
-of a run that reached the grid's full length (nothing continues it). Unpacked where the grid's
-``--out`` points, the runner skips the finished cells and resumes the stopped one from its
-checkpoint (``experiments/state/README.md``).
+The paper-length grids run for days on machines that do not last as long, and their archives
+are committed as they grow. So the archive is a folder with one ``.tgz`` per cell, each
+byte-for-byte the same as long as its cell has not changed (files in a fixed order, no owner,
+no gzip time stamp): a commit of a grown grid adds only the cells that moved, not the grid
+again.
 
-    python -m experiments.archive /work/grid/fmnist-paper experiments/state/fmnist-paper.tgz
+Each cell's archive holds its ``cell.json`` and ``cell.log``, its newest run folder (a resumed
+run's folder carries the whole history) and, when that is an older one, the run the runner
+would resume from; no charts (the runner redraws them), and no checkpoint or final state of a
+run that reached the grid's full length (nothing continues it). Files keep their modification
+times: they order a cell's runs. Unpacked where the grid's ``--out`` points, the runner skips
+the finished cells and resumes the stopped one from its checkpoint
+(``experiments/state/README.md``).
+
+    python -m experiments.archive /work/grid/fmnist-paper experiments/state/fmnist-paper
+    for cell in experiments/state/fmnist-paper/*.tgz; do tar xzf "$cell" -C /work/grid; done
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.summary import RunOutputs, read_run
 
 # Written by the ServerApp; only a run that may still be continued needs them.
 RESUME_FILES = frozenset({"checkpoint.npz", "final_state.npz"})
+
+
+@dataclass(frozen=True)
+class Archived:
+    """What :func:`archive_grid` did: the cells' archives, those written anew, and archives in
+    the destination whose cell the grid no longer has (left as they are)."""
+
+    archives: list[Path]
+    changed: list[Path]
+    orphans: list[Path]
 
 
 def runs_to_keep(cell: Path) -> list[RunOutputs]:
@@ -35,44 +55,70 @@ def runs_to_keep(cell: Path) -> list[RunOutputs]:
     return sorted(keep.values(), key=lambda run: run.written)
 
 
-def files_to_archive(grid: Path, full_rounds: int) -> list[Path]:
-    """The files of ``grid`` that the archive holds, in a stable order."""
-    files: list[Path] = []
-    for cell in sorted(path for path in (grid / "cells").iterdir() if path.is_dir()):
-        files += sorted(path for path in cell.iterdir() if path.is_file() and path.suffix != ".png")
-        for run in runs_to_keep(cell):
-            done = run.finished and run.completed_rounds >= full_rounds
-            files += sorted(path for path in run.directory.iterdir()
-                            if path.is_file() and path.suffix != ".png" and not (done and path.name in RESUME_FILES))
+def cell_files(cell: Path, full_rounds: int) -> list[Path]:
+    """The files of one cell folder that its archive holds, in a stable order."""
+    files = sorted(path for path in cell.iterdir() if path.is_file() and path.suffix != ".png")
+    for run in runs_to_keep(cell):
+        done = run.finished and run.completed_rounds >= full_rounds
+        files += sorted(path for path in run.directory.iterdir()
+                        if path.is_file() and path.suffix != ".png" and not (done and path.name in RESUME_FILES))
     return files
 
 
-def archive_grid(grid: Path, destination: Path, full_rounds: int) -> list[Path]:
-    """Write ``destination`` (a .tgz whose paths start with the grid folder's name); returns its files."""
+def reproducible_tgz(files: list[Path], root: Path) -> bytes:
+    """``files`` as a .tgz whose names are relative to ``root``: the same files, unchanged, give
+    the same bytes (no owner names or ids, gzip's time stamp 0)."""
+    raw = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as compressed:
+        with tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as archive:
+            for path in files:
+                info = archive.gettarinfo(path, arcname=path.relative_to(root).as_posix())
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = int(info.mtime)
+                with path.open("rb") as content:
+                    archive.addfile(info, content)
+    return raw.getvalue()
+
+
+def archive_grid(grid: Path, destination: Path, full_rounds: int) -> Archived:
+    """Write ``destination/<cell>.tgz`` for every cell of ``grid`` (paths in them start with the
+    grid folder's name); an archive whose bytes would not change is not rewritten."""
     if not (grid / "cells").is_dir():
         raise FileNotFoundError(f"{grid} is not a grid folder (no cells/ in it)")
-    files = files_to_archive(grid, full_rounds)
-    partial = destination.with_name(destination.name + ".partial")
-    with tarfile.open(partial, "w:gz") as archive:
-        for path in files:
-            archive.add(path, arcname=str(path.relative_to(grid.parent)), recursive=False)
-    partial.replace(destination)  # an interrupted archive never replaces a good one
-    return files
+    destination.mkdir(parents=True, exist_ok=True)
+    archives, changed = [], []
+    for cell in sorted(path for path in (grid / "cells").iterdir() if path.is_dir()):
+        target = destination / f"{cell.name}.tgz"
+        content = reproducible_tgz(cell_files(cell, full_rounds), grid.parent)
+        archives.append(target)
+        if target.is_file() and target.read_bytes() == content:
+            continue
+        partial = target.with_name(target.name + ".partial")
+        partial.write_bytes(content)
+        partial.replace(target)  # an interrupted archive never replaces a good one
+        changed.append(target)
+    orphans = sorted(set(destination.glob("*.tgz")) - set(archives))
+    return Archived(archives, changed, orphans)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", type=Path, help="the grid's output folder (the runner's --out)")
-    parser.add_argument("destination", type=Path, help="the archive to write, e.g. experiments/state/NAME.tgz")
+    parser.add_argument("destination", type=Path,
+                        help="the folder of the cells' archives, e.g. experiments/state/NAME")
     parser.add_argument("--full-rounds", type=int, default=200,
                         help="rounds of a run that nothing continues (default: 200, the paper's)")
     args = parser.parse_args(argv)
     try:
-        files = archive_grid(args.grid, args.destination, args.full_rounds)
+        done = archive_grid(args.grid, args.destination, args.full_rounds)
     except OSError as error:  # not a grid folder, an unwritable destination: one line, no traceback
         parser.exit(1, f"experiments.archive: {error}\n")
-    size = args.destination.stat().st_size / 2**20
-    print(f"{args.destination}: {len(files)} files of {args.grid}, {size:.1f} MiB")
+    size = sum(path.stat().st_size for path in done.archives) / 2**20
+    print(f"{args.destination}: {len(done.archives)} cells of {args.grid}, {size:.1f} MiB; "
+          f"{len(done.changed)} written anew, {len(done.archives) - len(done.changed)} unchanged")
+    for orphan in done.orphans:
+        print(f"  {orphan.name}: no such cell in {args.grid} (left as it is)")
 
 
 if __name__ == "__main__":

@@ -612,10 +612,13 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
     superseded = _fake_run(fedavg, cell_directory(out, fedavg), [0.5], finished=False, name="run-0")
     os.utime(superseded / "metrics.json", (1, 1))
 
-    archive_grid(out, tmp_path / "grid.tgz", full_rounds=2)
-    with tarfile.open(tmp_path / "grid.tgz") as archive:
-        names = set(archive.getnames())
-        archive.extractall(tmp_path / "machine-2", filter="data")
+    archived = archive_grid(out, tmp_path / "state", full_rounds=2)
+    assert [a.name for a in archived.archives] == sorted(f"{c.key}.tgz" for c in (fedavg, fedpac))
+    names = set()
+    for cell_archive in archived.archives:
+        with tarfile.open(cell_archive) as archive:
+            names |= set(archive.getnames())
+            archive.extractall(tmp_path / "machine-2", filter="data")
     in_archive = {p.relative_to(out.parent).as_posix() for p in out.rglob("*") if p.is_file()} & names
     assert not any(name.endswith(".png") for name in names)
     assert {name.rsplit("/", 1)[-1] for name in in_archive if name.startswith(
@@ -630,6 +633,29 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
     assert [(method, resume_from.name if resume_from else None) for method, _, resume_from in elsewhere.calls] == [
         ("fedpac", stopped.directory.name)]
     assert "fedavg | seed 0: finished before, skipped" in capsys.readouterr().out
+
+
+def test_a_grown_grid_rewrites_only_the_archives_of_the_cells_that_moved(tmp_path, monkeypatch):
+    """Archives are committed as a grid grows: an unchanged cell's archive keeps its bytes."""
+    grid, out, state = _grid(tmp_path), tmp_path / "grid", tmp_path / "state"
+    assert main([str(grid), "--out", str(out), "--seeds", "0"], execute=FakeSimulation(crash={"fedpac"})) == 1
+    fedavg, fedpac = (c for _, c in load_grid(grid, Overrides(seeds=[0]))[0].cells())
+    first = archive_grid(out, state, full_rounds=2)
+    assert first.changed == first.archives and first.orphans == []
+    before = {path.name: path.read_bytes() for path in first.archives}
+
+    with monkeypatch.context() as later:  # an archive made at another time, same bytes
+        later.setattr(time, "time", lambda: 2e9)
+        assert archive_grid(out, state, full_rounds=2).changed == []
+    assert main([str(grid), "--out", str(out), "--seeds", "0"], execute=FakeSimulation()) == 0
+    stray = state / "fedper-20c-seed0-0000000000.tgz"
+    stray.write_bytes(b"a cell this grid no longer has")
+    second = archive_grid(out, state, full_rounds=2)
+    assert [path.name for path in second.changed] == [f"{fedpac.key}.tgz"]
+    assert (state / f"{fedavg.key}.tgz").read_bytes() == before[f"{fedavg.key}.tgz"]
+    assert (state / f"{fedpac.key}.tgz").read_bytes() != before[f"{fedpac.key}.tgz"]
+    assert second.orphans == [stray] and stray.exists()  # reported, never deleted
+    assert not list(state.glob("*.partial"))
 
 
 _STOPPABLE_RUNNER = """
