@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 from typing import Any
 
 from flwr.app import Context, Message
@@ -77,4 +76,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

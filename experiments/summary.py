@@ -26,7 +26,7 @@ import io
 import json
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,10 +336,12 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     fig = Figure(figsize=(5.2 * columns, 3.9 * rows))
     axes = fig.subplots(rows, columns, squeeze=False)
     for ax, setting in zip(axes.flat, experiment.settings):
+        plotted = False
         for method in experiment.methods:
             curve = seed_curves(experiment, results, setting, method)
             if curve is None:
                 continue
+            plotted = True
             x, values = curve
             mean = values.mean(axis=0)
             points = generalized_points(experiment, results, setting, method) if generalized else None
@@ -364,8 +366,13 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)" if generalized else "personalized test accuracy (%)")
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if plotted:
             ax.legend(loc="lower right", fontsize=8)
+        else:  # a setting still queued: say so rather than draw empty 0..1 axes that read as a result
+            ax.text(0.5, 0.5, "no finished run yet", transform=ax.transAxes, ha="center", va="center",
+                    color="gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
     for ax in list(axes.flat)[count:]:
         ax.set_visible(False)
     fig.suptitle(textwrap.fill(experiment.title, width=55 * columns))  # long titles overflow one panel
@@ -405,6 +412,11 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
     save_figure(fig, path)
 
 
+def _group_lookup(groups: dict[int, int]) -> Callable[[int], int]:
+    """A partition's label group from a round record's map (group 0 where it has none)."""
+    return lambda pid: groups.get(pid, 0)
+
+
 def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> list[Path]:
     """Combination-weight heatmaps at the chosen rounds, first seed, methods with alpha only."""
     written = []
@@ -419,11 +431,11 @@ def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> li
                 record = by_round.get(number)
                 if record is None or not record.get("alpha"):
                     continue
-                groups = {int(pid): g for pid, g in record.get("group", {}).items()}
+                groups = {int(pid): int(g) for pid, g in record.get("group", {}).items()}
                 path = directory / f"{setting.name}-{method}-seed{seed}-round{number}.png"
                 directory.mkdir(parents=True, exist_ok=True)
                 plot_alpha(record["alpha"], record["alpha_partitions"], number,
-                           lambda pid, groups=groups: groups.get(pid, 0), path,
+                           _group_lookup(groups), path,
                            title=f"{method}, {setting.name}: alpha at round {number}")
                 written.append(path)
     return written

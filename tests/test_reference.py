@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.config import FedPACConfig
-from experiments.reference import ClientData, all_pooled_group_head, group_pooled, groups, main, pooled, summary
+from experiments.reference import (
+    ClientData, all_pooled_group_head, group_pooled, groups, main, pooled, reference_run_config, summary)
 
 
 def _client(pid: int, group: int, classes: tuple[int, int], n: int = 60, seed: int = 0) -> ClientData:
@@ -62,3 +63,9 @@ def test_the_command_line_writes_its_references_and_refuses_a_bad_run_config(tmp
         main(["--set", "local-epochs=0"])
     with pytest.raises(SystemExit, match="key=value"):
         main(["--set", "no-equals-sign"])
+
+
+def test_a_set_item_overrides_the_paper_dataset_and_keeps_it_otherwise():
+    assert reference_run_config([]) == {"dataset": "fashion-mnist"}
+    assert reference_run_config(["seed=1"]) == {"dataset": "fashion-mnist", "seed": 1}
+    assert reference_run_config(["dataset=mnist-5k", "seed=1"]) == {"dataset": "mnist-5k", "seed": 1}

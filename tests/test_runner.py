@@ -427,6 +427,25 @@ run-config = { uniform-share = 80.0 }
     assert not (tmp_path / "one-out" / "tiny" / "by-setting.png").exists()
 
 
+def test_a_setting_without_a_finished_run_says_so_in_the_accuracy_chart(tmp_path, monkeypatch):
+    from experiments import summary
+
+    text = TINY.replace('[experiments.tiny.settings.s-20]', """[experiments.tiny.settings.s-80]
+run-config = { uniform-share = 80.0 }
+
+[experiments.tiny.settings.s-20]""")
+    grid, out = _grid(tmp_path, text), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--seeds", "0", "--settings", "s-20"], execute=FakeSimulation()) == 0
+    (experiment,) = load_grid(grid, Overrides(seeds=[0]))
+    figures = []
+    monkeypatch.setattr(summary, "save_figure", lambda fig, path: figures.append(fig))
+    summary.plot_accuracy(experiment, results_of(experiment, out), tmp_path / "accuracy.png")
+    (figure,) = figures
+    queued, finished = figure.axes  # the grid file's order: s-80, then s-20
+    assert not queued.lines and [t.get_text() for t in queued.texts] == ["no finished run yet"]
+    assert len(finished.lines) == 2 and not finished.texts  # FedAvg and FedPAC, no placeholder
+
+
 class GeneralizedSimulation(FakeSimulation):
     """Finishes cells with a generalized accuracy 10 points below the personalized one, measured
     in round 1 and the last round (``generalized-every`` = 1 would measure every round)."""
