@@ -55,13 +55,19 @@ def runs_to_keep(cell: Path) -> list[RunOutputs]:
     return sorted(keep.values(), key=lambda run: run.written)
 
 
+def _archived(path: Path) -> bool:
+    """A file an archive holds: not a chart (redrawn from the data) nor a write in progress
+    (``common.files.atomic_write``'s ``.<name>.tmp``)."""
+    return path.is_file() and path.suffix != ".png" and not (path.name.startswith(".") and path.suffix == ".tmp")
+
+
 def cell_files(cell: Path, full_rounds: int) -> list[Path]:
     """The files of one cell folder that its archive holds, in a stable order."""
-    files = sorted(path for path in cell.iterdir() if path.is_file() and path.suffix != ".png")
+    files = sorted(path for path in cell.iterdir() if _archived(path))
     for run in runs_to_keep(cell):
         done = run.finished and run.completed_rounds >= full_rounds
         files += sorted(path for path in run.directory.iterdir()
-                        if path.is_file() and path.suffix != ".png" and not (done and path.name in RESUME_FILES))
+                        if _archived(path) and not (done and path.name in RESUME_FILES))
     return files
 
 
@@ -72,11 +78,13 @@ def reproducible_tgz(files: list[Path], root: Path) -> bytes:
     with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as compressed:
         with tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as archive:
             for path in files:
-                info = archive.gettarinfo(path, arcname=path.relative_to(root).as_posix())
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = int(info.mtime)
+                # the size from the open file, not the path: a file the running grid replaces
+                # meanwhile (atomically) is archived whole, old or new, never the new one cut short
                 with path.open("rb") as content:
+                    info = archive.gettarinfo(arcname=path.relative_to(root).as_posix(), fileobj=content)
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    info.mtime = int(info.mtime)
                     archive.addfile(info, content)
     return raw.getvalue()
 

@@ -183,10 +183,11 @@ def _positive_int(value: Any, where: str) -> int:
 
 
 def _int_list(value: Any, where: str, minimum: int) -> list[int]:
-    if not isinstance(value, list) or not value or not all(
+    # a repeated seed would count one run twice in a mean and a standard deviation
+    if not isinstance(value, list) or not value or len(set(value)) != len(value) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
     ):
-        raise GridError(f"{where} must be a non-empty list of integers >= {minimum}, got {value!r}")
+        raise GridError(f"{where} must be a non-empty list of distinct integers >= {minimum}, got {value!r}")
     return list(value)
 
 
@@ -284,6 +285,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
     unknown_methods = sorted(set(overrides.methods or []) - set(METHODS))
     if unknown_methods:
         raise GridError(f"unknown method(s) {', '.join(unknown_methods)}; one of {', '.join(METHODS)}")
+    if overrides.seeds is not None:
+        _int_list(overrides.seeds, "--seeds", 0)
     experiments = []
     for name in _select(list(tables), overrides.experiments):
         where = f"experiments.{name}"
@@ -330,7 +333,23 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
             except ConfigError as err:
                 raise GridError(f"{where}.settings.{setting.name}: {err}") from err
         experiments.append(experiment)
-    return experiments
+    return _selected(experiments, overrides)
+
+
+def _selected(experiments: list[Experiment], overrides: Overrides) -> list[Experiment]:
+    """The experiments with cells under ``--methods`` and ``--settings``; a name that selects
+    nothing is an error, not an empty grid (whose reports would overwrite the real ones)."""
+    for flag, wanted, found in (
+        ("--settings", overrides.settings, {s.name for e in experiments for s in e.settings}),
+        ("--methods", overrides.methods, {m for e in experiments for m in e.methods}),
+    ):
+        missing = sorted(set(wanted or []) - found)
+        if missing:
+            raise GridError(f"{flag}: {', '.join(missing)} in none of the selected experiments")
+    kept = [e for e in experiments if e.methods and e.settings]
+    if not kept:
+        raise GridError("the selection has no cells")
+    return kept
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

@@ -38,6 +38,7 @@ import torch
 from client_app.app import client_tensors, select_device
 from client_app.train import evaluate, train_head, train_joint
 from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.files import atomic_write
 from common.model import FedPACNet
 from common.partition import group_of
 from experiments.grid import GridError, parse_assignment
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--seed", type=int, default=0, help="model initialisation and batch order")
     cli.add_argument("--out", type=Path, help="write reference.json here")
     args = cli.parse_args(argv)
+    for flag, value in (("--clients", args.clients), ("--epochs", args.epochs), ("--eval-every", args.eval_every)):
+        if value < 1:
+            raise SystemExit(f"experiments.reference: {flag} must be >= 1, got {value}")
     try:
         run_config = reference_run_config(args.set)
         cfg = parse_run_config(run_config)
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(best {100 * ref['best']:.2f} % at epoch {ref['best_epoch']})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write(args.out, (json.dumps(result, indent=1) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -30,8 +31,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.drift import drift_fields_free
+from common.files import atomic_write
+from common.methods import METHODS
 from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
 from experiments.summary import (
     RunOutputs,
@@ -60,17 +64,36 @@ class SimulationOptions:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Stop a cell's process group: SIGINT first so that Ray shuts down cleanly, then harder."""
-    for sig, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    """Stop a cell's process group: SIGINT first so that Ray shuts down cleanly, then harder.
+
+    A stop asked for meanwhile (an impatient second Ctrl-C or SIGTERM) moves on to the next
+    signal at once instead of abandoning the cell half-stopped; it is raised as a
+    KeyboardInterrupt once the cell has ended, so the grid stops as asked."""
+    previous, _HeldInterrupts.signals = _HeldInterrupts.signals, []
+    try:
+        for sig, grace in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            if _ended_within(process, grace):
+                break
+    finally:
+        held, _HeldInterrupts.signals = _HeldInterrupts.signals, previous
+    if held:
+        raise KeyboardInterrupt
+
+
+def _ended_within(process: subprocess.Popen, grace: float) -> bool:
+    """Whether ``process`` ends within ``grace`` seconds; False as soon as a stop is held."""
+    deadline, held = time.monotonic() + grace, len(_HeldInterrupts.signals or [])
+    while time.monotonic() < deadline and len(_HeldInterrupts.signals or []) == held:
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
+            process.wait(timeout=0.1)
+            return True
         except subprocess.TimeoutExpired:
             continue
+    return False
 
 
 class _HeldInterrupts:
@@ -204,6 +227,17 @@ def adopt_directory(out: Path, cell: Cell, log: Callable[[str], None] = print) -
     return directory
 
 
+def last_round_differs(config: dict[str, Any]) -> bool:
+    """Whether a run's last round trains other clients than the same round of a longer run: a
+    sampled federation (``fraction-train`` < 1, or a server-drawn S_t that only trains) with
+    every client in its last round (``full-last-round``). Such a run cannot be extended exactly."""
+    if not config["full_last_round"]:
+        return False
+    samples_trainers = (METHODS[config["strategy"]].aggregates_a_sample and config["vem_protocol"] != "all-train"
+                        and config["vem_sampling_rate"] < 1.0)
+    return config["fraction_train"] < 1.0 or samples_trainers
+
+
 def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
     """``--extend``: the longest finished shorter run of the same configuration, which this
     cell can continue exactly (a resume repeats every round bit for bit). None when there is
@@ -212,7 +246,7 @@ def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
     counts as the same configuration while neither drift has changed a label yet (the
     recurrent and incremental cells continue a 100-round sudden-drift run)."""
     config = cell.identity["config"]
-    if config["fraction_train"] < 1.0 and config["full_last_round"]:
+    if last_round_differs(config):
         return None
     best = None
     for folder, stored in _stored_cells(out, cell):
@@ -220,7 +254,7 @@ def extension_source(out: Path, cell: Cell) -> RunOutputs | None:
             continue
         runs = (read_run(d) for d in folder.iterdir() if d.is_dir())
         for run in runs:
-            if (run is not None and run.finished and run.completed_rounds < cell.rounds
+            if (run is not None and run.finished and run.resumable and run.completed_rounds < cell.rounds
                     and run.completed_rounds == run.config.get("num_server_rounds")
                     and same_computation(run.config, config, ignore=(
                         "num_server_rounds", *drift_fields_free(run.config, config, run.completed_rounds)))
@@ -273,10 +307,11 @@ def _final(run: RunOutputs, planned: PlannedCell) -> str:
 
 
 def _write_cell_file(directory: Path, cell: Cell) -> None:
+    """``cell.json``: what the folder computes; later runs find their sources by it."""
     directory.mkdir(parents=True, exist_ok=True)
     document = {"method": cell.method, "clients": cell.clients, "seed": cell.seed, "rounds": cell.rounds,
                 "run-config": cell.run_config, "identity": cell.identity}
-    (directory / "cell.json").write_text(json.dumps(document, indent=2))
+    atomic_write(directory / "cell.json", json.dumps(document, indent=2).encode())
 
 
 def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
@@ -297,6 +332,8 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     # The paces of the estimate of what is left: finished runs' rounds, then this runner's cells
     # (wall time, start-up included), by (experiment/setting, method).
     finished = [finished_run(adopt_directory(out, c.cell, log), c.cell) for c in cells]
+    rounds_to_run = [0 if run is not None else c.cell.rounds - _head_start(out, c.cell, extend)
+                     for c, run in zip(cells, finished)]
     paced: list[tuple[str, str, float, int]] = [
         (_pace_setting(c), c.cell.method, run.compute_seconds, run.completed_rounds)
         for c, run in zip(cells, finished) if run is not None]
@@ -319,6 +356,9 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         elif extend and (start := extension_source(out, cell)) is not None:
             log(f"{prefix}: extending the finished {start.completed_rounds}-round run "
                 f"{start.directory.parent.name}/{start.directory.name} to {cell.rounds} rounds")
+        elif extend and last_round_differs(cell.identity["config"]):
+            log(f"{prefix}: not extending a shorter run: its last round trained every client, the same "
+                f"round of a {cell.rounds}-round run trains a sample (full-last-round); from round 1")
         first_round = start.completed_rounds if start is not None else 0
         cell_started = time.time()
         status = execute(cell, directory, None if start is None else start.directory, directory / "cell.log")
@@ -327,8 +367,8 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         if done is not None and done.completed_rounds > first_round:
             paced.append((_pace_setting(planned), cell.method, seconds, done.completed_rounds - first_round))
         elapsed = _duration(time.time() - started)
-        remaining = seconds_left(paced, [(_pace_setting(c), c.cell.method, c.cell.rounds)
-                                         for c, run in zip(cells[index:], finished[index:]) if run is None])
+        remaining = seconds_left(paced, [(_pace_setting(c), c.cell.method, rounds)
+                                         for c, rounds in zip(cells[index:], rounds_to_run[index:]) if rounds > 0])
         if done is None:
             failed.append(planned)
             log(f"{prefix}: FAILED (exit status {status}) after {_duration(seconds)} | elapsed {elapsed}; "
@@ -343,6 +383,15 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
     if failed:
         log(f"{len(failed)} of {total} cells failed; run the same command again to retry them")
     return failed
+
+
+def _head_start(out: Path, cell: Cell, extend: bool) -> int:
+    """The rounds an unfinished cell will not train again: its stopped run's, or with ``extend``
+    the shorter run it continues."""
+    start = resumable_run(cell_directory(out, cell), cell)
+    if start is None and extend:
+        start = extension_source(out, cell)
+    return start.completed_rounds if start is not None else 0
 
 
 def _pace_setting(planned: PlannedCell) -> str:
@@ -370,6 +419,7 @@ def _names(text: str | None) -> list[str] | None:
 
 
 def _seeds(text: str | None) -> list[int] | None:
+    """``--seeds``' list (:func:`experiments.grid.load_grid` checks it: non-empty, distinct)."""
     try:
         return None if text is None else [int(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
@@ -399,8 +449,24 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--report-only", action="store_true", help="rewrite the reports from finished cells")
     cli.add_argument("--extend", action="store_true",
                      help="a cell without a run of its own continues the longest finished shorter run of the "
-                          "same configuration (e.g. --rounds 200 after --rounds 20), exactly")
+                          "same configuration (e.g. --rounds 200 after --rounds 20), exactly; not a sampled "
+                          "federation whose shorter run trained every client in its last round")
     return cli
+
+
+@contextlib.contextmanager
+def one_runner(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock while a runner works in it: a second runner there (another terminal,
+    a queue started twice) would resume the same checkpoints into the same folders. The lock
+    goes with the process, so a killed runner leaves nothing to clean up."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".runner.lock", "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise GridError(f"another fedpac-experiments runs in {out}; wait for it to end or stop it "
+                            "(two runners would continue the same cells)") from err
+        yield
 
 
 @contextlib.contextmanager
@@ -449,9 +515,12 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
         return simulate(cell, directory, resume_from, log_path, options)
 
     try:
-        with interruptible():
+        with one_runner(out), interruptible():
             failed = run_grid(experiments, out, execute or default_execute,
                               log=lambda line: print(line, flush=True), extend=args.extend)
+    except GridError as err:
+        print(f"fedpac-experiments: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fedpac-experiments: interrupted; run the same command again to resume the grid", file=sys.stderr)
         return 130

@@ -157,7 +157,9 @@ def resume_point(directory: Path, cell: Cell) -> tuple[RunOutputs | None, list[R
     stalled runs excepted (:attr:`RunOutputs.stalled`): the run before them, if any, is
     resumed; and the stalled runs passed over for it (newer than it), oldest first."""
     runs = cell_runs(directory, cell)
-    partial = [r for r in runs if r.continuable and 0 < r.completed_rounds < cell.rounds]
+    # a run with every round but no final state (stopped while writing it) resumes too: the
+    # ServerApp then only writes the final state
+    partial = [r for r in runs if r.continuable and 0 < r.completed_rounds <= cell.rounds]
     start = partial[-1] if partial else None
     return start, [r for r in runs if r.stalled and (start is None or r.written > start.written)]
 
@@ -272,27 +274,29 @@ def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_common_round(curves: list[tuple[list[int], list[float]]]) -> tuple[list[int], np.ndarray] | None:
+    """(the rounds that every curve has, values per curve x round); None without such a round.
+    Curves are matched by round number: a round that one seed did not measure (no evaluation
+    replies, say) is left out rather than the curves shifted against each other."""
+    points = [dict(zip(*curve)) for curve in curves]
+    rounds = sorted(set.intersection(*(set(p) for p in points))) if points else []
+    if not rounds:
+        return None
+    return rounds, np.array([[p[r] for r in rounds] for p in points])
+
+
 def seed_curves(experiment: Experiment, results: Results, setting: Setting,
                 method: str) -> tuple[list[int], np.ndarray] | None:
-    """(rounds, accuracy in % per seed x round) over the finished seeds; None without any."""
-    curves = [results[(setting.name, method, s)].accuracy_curve()
-              for s in experiment.seeds if (setting.name, method, s) in results]
-    if not curves:
-        return None
-    length = min(len(c[0]) for c in curves)  # all seeds have every round when finished
-    return list(curves[0][0][:length]), np.array([c[1][:length] for c in curves])
+    """(rounds evaluated by every finished seed, personalized accuracy in % per seed x round)."""
+    return _by_common_round([results[(setting.name, method, s)].accuracy_curve()
+                             for s in experiment.seeds if (setting.name, method, s) in results])
 
 
 def generalized_points(experiment: Experiment, results: Results, setting: Setting,
                        method: str) -> tuple[list[int], np.ndarray] | None:
-    """(rounds measured by every finished seed, generalized accuracy in % per seed x round);
-    None without a finished seed or a round that every one measured."""
-    curves = [dict(zip(*results[(setting.name, method, s)].generalized_curve()))
-              for s in experiment.seeds if (setting.name, method, s) in results]
-    rounds = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    if not rounds:
-        return None
-    return rounds, np.array([[c[r] for r in rounds] for c in curves])
+    """(rounds measured by every finished seed, generalized accuracy in % per seed x round)."""
+    return _by_common_round([results[(setting.name, method, s)].generalized_curve()
+                             for s in experiment.seeds if (setting.name, method, s) in results])
 
 
 def drift_rounds(experiment: Experiment, setting: Setting) -> tuple[int, ...]:
@@ -446,7 +450,7 @@ def _hours(seconds: float) -> str:
 
 
 def seconds_left(done: Sequence[tuple[str, str, float, int]], todo: Sequence[tuple[str, str, int]]) -> float:
-    """Seconds the ``todo`` cells (setting, method, rounds) need at the pace of the ``done`` ones
+    """Seconds the ``todo`` cells (setting, method, rounds still to train) need at the pace of the ``done`` ones
     (setting, method, seconds, rounds).
 
     Methods differ by several times in the cost of a round (pFedVEM's is four FedPAC rounds at

@@ -63,6 +63,9 @@ def test_the_command_line_writes_its_references_and_refuses_a_bad_run_config(tmp
         main(["--set", "local-epochs=0"])
     with pytest.raises(SystemExit, match="key=value"):
         main(["--set", "no-equals-sign"])
+    for flag in ("--eval-every", "--epochs", "--clients"):  # 0 would loop forever or crash at the end
+        with pytest.raises(SystemExit, match=f"experiments.reference: {flag} must be >= 1, got 0"):
+            main([flag, "0"])
 
 
 def test_a_set_item_overrides_the_paper_dataset_and_keeps_it_otherwise():

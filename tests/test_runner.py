@@ -335,6 +335,125 @@ def test_extend_continues_a_shorter_run_under_another_drift_only_before_any_labe
     assert later.calls[0][2] is None  # its labels change from round 3: neither sudden run is its own
 
 
+def test_a_run_with_every_round_but_no_final_state_is_resumed_not_redone(tmp_path):
+    # stopped while it wrote its final state: the ServerApp, resumed, only writes that state
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    (_, cell), *_ = load_grid(grid, Overrides(seeds=[0]))[0].cells()
+    run = _fake_run(cell, cell_directory(out, cell), [0.5] * cell.rounds, finished=False)
+    resuming = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--seeds", "0", "--methods", cell.method], execute=resuming) == 0
+    assert resuming.calls == [(cell.method, 0, run)]
+
+
+def test_extend_passes_over_a_shorter_run_without_its_checkpoint(tmp_path):
+    # an archive leaves out the checkpoint of a finished run: it cannot be continued, the one
+    # with its checkpoint can
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    for rounds in ("2", "3"):
+        assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", rounds],
+                    execute=FakeSimulation()) == 0
+    (_, three), = load_grid(grid, Overrides(methods=["fedavg"], rounds=3))[0].cells()
+    longest = finished_run(cell_directory(out, three), three)
+    (longest.directory / "checkpoint.npz").unlink()
+    extending = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "6", "--extend"],
+                execute=extending) == 0
+    (call,) = extending.calls
+    assert json.loads((call[2] / "metrics.json").read_text())["config"]["num_server_rounds"] == 2
+
+
+@pytest.mark.parametrize(("run_config", "differs"), [
+    ({}, False),
+    ({"fraction-train": 0.5}, True),
+    ({"fraction-train": 0.5, "full-last-round": False}, False),
+    ({"strategy": "pfedvem"}, False),  # every client trains every round (all-train)
+    ({"strategy": "pfedvem", "vem-protocol": "sampled-train", "vem-sampling-rate": 0.5}, True),
+    ({"strategy": "pfedvem", "vem-protocol": "sampled-train", "vem-sampling-rate": 1.0}, False),
+])
+def test_a_run_whose_last_round_trains_more_clients_than_a_longer_runs_is_not_extended(run_config, differs):
+    from dataclasses import asdict
+
+    from common.config import parse_run_config
+    from experiments.runner import last_round_differs
+
+    assert last_round_differs(asdict(parse_run_config(run_config))) is differs
+
+
+def test_extend_says_why_it_starts_a_sampled_cell_from_round_1(tmp_path, capsys):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    sampled = ["--methods", "fedavg", "--set", "fraction-train=0.5"]
+    assert main([str(grid), "--out", str(out), *sampled], execute=FakeSimulation()) == 0
+    capsys.readouterr()
+    longer = FakeSimulation()
+    assert main([str(grid), "--out", str(out), *sampled, "--rounds", "4", "--extend"], execute=longer) == 0
+    assert longer.calls[0][2] is None
+    assert "not extending a shorter run: its last round trained every client" in capsys.readouterr().out
+
+
+def test_the_time_left_counts_only_the_rounds_a_cell_will_train(tmp_path):
+    from experiments.runner import _head_start
+
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", "3"], execute=FakeSimulation()) == 0
+    (_, cell), = load_grid(grid, Overrides(methods=["fedavg"], rounds=8))[0].cells()
+    assert _head_start(out, cell, extend=True) == 3  # continues the 3-round run
+    assert _head_start(out, cell, extend=False) == 0
+    _fake_run(cell, cell_directory(out, cell), [0.5] * 5, finished=False)
+    assert _head_start(out, cell, extend=True) == 5  # its own stopped run first
+
+
+def test_a_second_runner_in_the_same_output_folder_is_refused(tmp_path, capsys):
+    import fcntl
+
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    out.mkdir()
+    with open(out / ".runner.lock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the first runner holds it
+        second = FakeSimulation()
+        assert main([str(grid), "--out", str(out)], execute=second) == 2
+        assert second.calls == []
+        assert f"another fedpac-experiments runs in {out.resolve()}" in capsys.readouterr().err
+    assert main([str(grid), "--out", str(out)], execute=FakeSimulation()) == 0  # once it has ended
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--seeds", "0,0"], "--seeds must be a non-empty list of distinct integers"),
+    (["--seeds", ""], "--seeds must be a non-empty list of distinct integers"),
+    (["--settings", "s20"], "--settings: s20 in none of the selected experiments"),
+    (["--methods", "local"], "--methods: local in none of the selected experiments"),
+])
+def test_a_selection_that_would_miscount_or_select_nothing_fails_and_leaves_the_reports(tmp_path, capsys, argv,
+                                                                                         fragment):
+    grid, out = _grid(tmp_path), tmp_path / "out"
+    assert main([str(grid), "--out", str(out), "--seeds", "0,1"], execute=FakeSimulation()) == 0
+    report = (out / "tiny" / "summary.csv").read_bytes()
+    capsys.readouterr()
+    nothing = FakeSimulation()
+    assert main([str(grid), "--out", str(out), *argv], execute=nothing) == 2
+    assert fragment in capsys.readouterr().err and nothing.calls == []
+    assert main([str(grid), "--out", str(out), "--report-only", *argv]) == 2
+    assert (out / "tiny" / "summary.csv").read_bytes() == report
+
+
+def test_seeds_are_averaged_round_by_round_when_one_missed_an_evaluation(tmp_path):
+    from experiments.summary import RunOutputs, seed_curves
+
+    grid = _grid(tmp_path)
+    (experiment,) = load_grid(grid, Overrides(seeds=[0, 1], rounds=3))
+    setting = experiment.settings[0]
+
+    def run(accuracies):
+        rounds = [{"round": n, "mean_accuracy": a, "accuracy": {"0": a} if a is not None else {}}
+                  for n, a in enumerate(accuracies, start=1)]
+        return RunOutputs(tmp_path, {}, rounds, 0.0)
+
+    results = {(setting.name, "fedavg", 0): run([0.5, 0.6, 0.7]), (setting.name, "fedavg", 1): run([None, 0.6, 0.7])}
+    rounds, values = seed_curves(experiment, results, setting, "fedavg")
+    assert rounds == [2, 3]  # round 1 has one seed's value only: left out, nothing shifted
+    np.testing.assert_allclose(values, [[60.0, 70.0], [60.0, 70.0]])
+    assert seed_curves(experiment, {}, setting, "fedavg") is None
+
+
 def test_cells_written_before_the_config_grew_are_still_found(tmp_path, capsys):
     """A run config stored without fields added since (at their defaults) is the same cell."""
     grid, out = _grid(tmp_path), tmp_path / "out"
@@ -630,6 +749,7 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
     # a run of the finished cell stopped before the one that finished it: nothing continues it
     superseded = _fake_run(fedavg, cell_directory(out, fedavg), [0.5], finished=False, name="run-0")
     os.utime(superseded / "metrics.json", (1, 1))
+    (stopped.directory / ".metrics.json.tmp").write_bytes(b'{"rounds": [')  # a write in progress
 
     archived = archive_grid(out, tmp_path / "state", full_rounds=2)
     assert [a.name for a in archived.archives] == sorted(f"{c.key}.tgz" for c in (fedavg, fedpac))
@@ -639,7 +759,7 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
             names |= set(archive.getnames())
             archive.extractall(tmp_path / "machine-2", filter="data")
     in_archive = {p.relative_to(out.parent).as_posix() for p in out.rglob("*") if p.is_file()} & names
-    assert not any(name.endswith(".png") for name in names)
+    assert not any(name.endswith((".png", ".tmp")) for name in names)
     assert {name.rsplit("/", 1)[-1] for name in in_archive if name.startswith(
         finished.directory.relative_to(out.parent).as_posix())} == {"metrics.json", "status.json"}
     for kept in (stopped.directory, stalled):  # the run to resume, with its checkpoint, and the newest
@@ -682,7 +802,9 @@ import os, signal, subprocess, sys
 from experiments import runner
 
 real_popen = subprocess.Popen
-CELL = "import os, time; open(os.environ['CELL_PID_FILE'], 'w').write(str(os.getpid())); time.sleep(600)"
+CELL = ("import os, signal, time\\n"
+        "if os.environ['CELL_IGNORES_SIGINT'] == '1': signal.signal(signal.SIGINT, signal.SIG_IGN)\\n"
+        "open(os.environ['CELL_PID_FILE'], 'w').write(str(os.getpid())); time.sleep(600)")
 
 def popen(command, **kwargs):  # runner.simulate itself, its simulation swapped for a long sleep
     if command[1:3] != ["-m", "experiments.simulation"]:
@@ -698,18 +820,23 @@ sys.exit(runner.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize(("stop", "while_starting"),
-                         [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
-def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop, while_starting):
+@pytest.mark.parametrize(("stop", "while_starting", "repeated"),
+                         [(signal.SIGTERM, False, False), (signal.SIGINT, False, False), (signal.SIGTERM, True, False),
+                          (signal.SIGTERM, False, True)])
+def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop, while_starting,
+                                                                                 repeated):
     # A script's background command inherits SIGINT ignored; before, SIGINT did nothing there and
     # SIGTERM ended the runner but left its cell's simulation running. The runner runs as it is,
-    # runner.simulate included, with a long sleep in place of the simulation.
+    # runner.simulate included, with a long sleep in place of the simulation. ``repeated``: a cell
+    # slow to end on SIGINT and a second stop while the runner waits for it; before, the second
+    # stop ended the runner at once and left the cell running.
     pid_file = tmp_path / "cell.pid"
     runner = subprocess.Popen(
         [sys.executable, "-c", _STOPPABLE_RUNNER, str(_grid(tmp_path)), "--out", str(tmp_path / "out"),
          "--seeds", "0", "--methods", "fedavg"],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "CELL_PID_FILE": str(pid_file), "STOP_WHILE_STARTING": str(int(while_starting))},
+        env={**os.environ, "CELL_PID_FILE": str(pid_file), "STOP_WHILE_STARTING": str(int(while_starting)),
+             "CELL_IGNORES_SIGINT": str(int(repeated))},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # noqa: PLW1509  # single-threaded here
     cell = None
     try:
@@ -720,6 +847,10 @@ def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint
             time.sleep(0.02)
         cell = int(pid_file.read_text())
         if not while_starting:
+            runner.send_signal(stop)
+        if repeated:
+            time.sleep(1.0)
+            assert runner.poll() is None  # still waiting for its cell, which ignores SIGINT
             runner.send_signal(stop)
         assert runner.wait(timeout=60) == 130
         # the runner waits for its cell's process group to end before it exits
