@@ -20,8 +20,11 @@ def weighted_average(
     w = np.asarray(weights, dtype=np.float64)
     if len(arrays) == 0 or len(arrays) != len(w):
         raise ValueError(f"{len(arrays)} models but {len(w)} weights")
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError("aggregation weights must be non-negative with a positive sum")
+    if not np.isfinite(w).all() or (w < 0).any() or w.max() <= 0:
+        raise ValueError("aggregation weights must be finite and non-negative with a positive sum")
+    # divide by the largest weight first: each weight is finite, but their sum can overflow (two
+    # of 1e308), and dividing by an infinite sum would make every weight 0
+    w = w / w.max()
     w = w / w.sum()
     averaged = {}
     for key, first in arrays[0].items():

@@ -85,8 +85,10 @@ def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: 
 
 def _stabilize(p: np.ndarray) -> np.ndarray:
     """Symmetrize, scale to unit diagonal mean (argmin is scale-invariant) and add a ridge."""
-    p = 0.5 * (p + p.T)
-    scale = np.abs(np.diag(p)).mean()
+    # halves first: p + p.T overflows for entries past half the float64 range (a V_j / n_j of
+    # 1e308 is a valid reply), and so would the diagonal's sum before its mean
+    p = 0.5 * p + 0.5 * p.T
+    scale = (np.abs(np.diag(p)) / len(p)).sum()
     if not np.isfinite(scale):
         raise ValueError("P has non-finite entries")
     if scale > 0:

@@ -206,7 +206,7 @@ def solve_simplex_qps(
 
     ``q``: (m, m) PSD; ``b``: (r, m). Float64 throughout.
     """
-    q = 0.5 * (q + q.T)
+    q = 0.5 * q + 0.5 * q.T  # halves first: q + q.T overflows past half the float64 range
     scale = float(np.abs(np.diag(q)).max()) or 1.0
     q, b = q / scale, b / scale
     rows, m = b.shape

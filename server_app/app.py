@@ -22,7 +22,7 @@ from common.methods import METHODS
 from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
 from common.variational import VEMProtocol, initial_global_head
-from server_app.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
 from server_app.grid import ResponsiveGrid
 from common.files import atomic_write, npz_bytes
 from server_app.report import RoundRecord, RunReport
@@ -96,6 +96,16 @@ def resume_command(cfg: FedPACConfig, directory: Path) -> str:
             if f.name != "resume_from" and getattr(cfg, f.name) != getattr(defaults, f.name)]
     keys.append(f"resume-from={_toml(str(directory))}")
     return f'flwr run . <federation> --run-config "{" ".join(keys)}"'
+
+
+def resume_source(cfg: FedPACConfig, directory: Path) -> Path:
+    """What the run continues from should it stop now: its own folder once it has saved a
+    checkpoint there. Until then a resumed run's last state is still the checkpoint it resumed
+    from, and a command naming the new folder would find nothing there (a run that resumed
+    nothing has only its own folder to name)."""
+    if cfg.resume_from and not checkpoint_file(directory).is_file():
+        return Path(cfg.resume_from).expanduser().resolve()
+    return directory
 
 
 def _resume(cfg: FedPACConfig) -> Checkpoint | None:
@@ -208,12 +218,17 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             posterior_scales=strategy.posterior_scales,
         )
         write_round_outputs(report, record, checkpoint)
-        report.write_status("running", record.round, resume_command(cfg, directory))
+        write_status("running", record.round)
+
+    def write_status(state: str, completed: int, error: str = "") -> str:
+        """status.json, with the checkpoint to continue from now; returns the command that does."""
+        source = resume_source(cfg, directory)
+        resume = resume_command(cfg, source)
+        report.write_status(state, completed, resume, error, checkpoint_file(source))
+        return resume
 
     strategy.on_round_end = end_of_round
-    resume = resume_command(cfg, directory)
-    completed = strategy.round_offset
-    report.write_status("running", completed, resume)
+    write_status("running", strategy.round_offset)
     try:
         strategy.discover(grid, timeout=cfg.round_timeout)
         remaining = cfg.num_server_rounds - strategy.round_offset
@@ -229,12 +244,12 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
     except BaseException as err:
         report.close()
         completed = report.rounds[-1].round if report.rounds else strategy.round_offset
-        report.write_status("failed", completed, resume, f"{type(err).__name__}: {err}")
+        resume = write_status("failed", completed, f"{type(err).__name__}: {err}")
         log(ERROR, "Run stopped after round %d of %d: %s. Continue with: %s", completed,
             cfg.num_server_rounds, err, resume)
         raise
     report.close()  # the charts show the last round before the run says it finished
-    report.write_status("finished", cfg.num_server_rounds, resume)
+    write_status("finished", cfg.num_server_rounds)
     return strategy, report
 
 

@@ -95,11 +95,15 @@ def _record(data: dict) -> RoundRecord:
     return RoundRecord(**data)
 
 
+def checkpoint_file(location: str | Path) -> Path:
+    """The checkpoint file ``location`` names: itself, or the one in the run folder it names."""
+    path = Path(location).expanduser()
+    return path / FILE_NAME if path.is_dir() else path
+
+
 def load_checkpoint(location: str | Path) -> Checkpoint:
     """Read a checkpoint from its file or from the run folder that holds it."""
-    path = Path(location).expanduser()
-    if path.is_dir():
-        path = path / FILE_NAME
+    path = checkpoint_file(location)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:

@@ -76,6 +76,8 @@ MAX_METRICS = 32
 # The server keeps a head (and a posterior) for every partition, and pFedVEM draws a number per
 # partition every round: a federation this size is far beyond what that state is made for.
 MAX_PARTITIONS = 1_000_000
+# The largest count of samples a float64 metric carries exactly.
+MAX_SAMPLE_COUNT = 2**53
 V_ROUNDING = 1e-6  # relative: a V this far below 0 is rounding, not a malformed reply
 TRAIN_RECORDS = frozenset({p.ARRAYS, p.METRICS, p.EVALUATION})
 EVALUATE_RECORDS = frozenset({p.METRICS})
@@ -202,6 +204,31 @@ def _parse_statistics(sections: p.Sections, expected: dict[str, tuple[int, ...]]
     return stats
 
 
+def _sample_count(value: float, what: str) -> float:
+    """A count of samples: positive, whole, and at most 2**53, above which a float64 holds no odd
+    whole numbers (the whole-number check means nothing) and a few counts overflow the sums and
+    caps of the sample weights."""
+    if value <= 0 or not value.is_integer():
+        raise InvalidReply(f"{what} {value} must be positive and a whole number")
+    if value > MAX_SAMPLE_COUNT:
+        raise InvalidReply(f"{what} {value:.6g} is above 2**53, past any data set")
+    return value
+
+
+def _variance_metric(v: float, h: np.ndarray) -> float:
+    """V, checked against the client's h. V is a difference of sums of squares: when all of a
+    client's features of its only class coincide it is 0 up to rounding, which may leave it a
+    hair below 0; rounding relative to the sum of squares of h, taken in float64 (the squares
+    of a float32-finite h can overflow float32, and an infinite scale would pass any negative
+    V as rounding)."""
+    scale = max(1.0, float(np.sum(np.square(h, dtype=np.float64))))
+    if not np.isfinite(scale):
+        raise InvalidReply(f"statistics '{p.H}' have a sum of squares past float64")
+    if v < -V_ROUNDING * scale:
+        raise InvalidReply(f"V = {v} is negative")
+    return max(v, 0.0)
+
+
 def _check_sample_bound(num_examples: float, max_samples: int) -> None:
     if max_samples and num_examples > max_samples:
         raise InvalidReply(f"num-examples {num_examples:.0f} is above max-samples-per-client = {max_samples}")
@@ -233,9 +260,13 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
     )
     head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
     stats = _parse_statistics(sections, expected)
-    num_examples = _metric(metrics, p.NUM_EXAMPLES)
-    if num_examples <= 0 or not num_examples.is_integer():
-        raise InvalidReply(f"num-examples {num_examples} must be positive and a whole number")
+    # in the model's dtype, like the model: the server's averages of them are cast to it, and a
+    # float64 value that is finite but overflows it would make every client's targets Inf
+    feature_dtype = head_template[p.HEAD_WEIGHT].dtype
+    centroids = (_finite_as(stats[p.CENTROID_VALUES], feature_dtype, f"statistics '{p.CENTROID_VALUES}'")
+                 if p.CENTROID_VALUES in stats else None)
+    h = _finite_as(stats[p.H], feature_dtype, f"statistics '{p.H}'") if p.H in stats else None
+    num_examples = _sample_count(_metric(metrics, p.NUM_EXAMPLES), p.NUM_EXAMPLES)
     _check_sample_bound(num_examples, max_samples)
     _metric(metrics, p.TRAIN_LOSS)  # the round's report averages it
     counts = None
@@ -248,13 +279,8 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
                 f"num-examples {num_examples} must be positive and equal the class counts' sum {counts.sum()}")
     v = None
     if method.needs_statistics:
-        v = _metric(metrics, p.V)
-        # V is a difference of sums of squares: when all of a client's features of its only class
-        # coincide it is 0 up to rounding, which may leave it a hair below 0
-        scale = max(1.0, float(np.sum(np.square(stats[p.H]))))
-        if v < -V_ROUNDING * scale:
-            raise InvalidReply(f"V = {v} is negative")
-        v = max(v, 0.0)
+        assert h is not None  # expected_statistics: h comes with the statistics V belongs to
+        v = _variance_metric(_metric(metrics, p.V), h)
     rho = None
     if method.keeps_posteriors:
         rho = _metric(metrics, p.RHO)
@@ -283,9 +309,9 @@ def parse_train_reply(  # pylint: disable=too-many-arguments
         head=head,
         num_examples=int(num_examples),
         metrics={k: float(val) for k, val in metrics.items() if isinstance(val, (int, float))},
-        centroids=stats[p.CENTROID_VALUES].astype(np.float64) if p.CENTROID_VALUES in stats else None,
+        centroids=None if centroids is None else centroids.astype(np.float64),
         class_counts=counts,
-        h=stats[p.H].astype(np.float64) if p.H in stats else None,
+        h=None if h is None else h.astype(np.float64),
         v=v,
         balanced_head=_balanced_head(stats, head_template) if method.sends_balanced_head else None,
         scale=_scale(stats, head_template) if method.keeps_posteriors else None,
@@ -325,9 +351,7 @@ def parse_query_reply(msg: Message, max_samples: int = 0) -> ClientInfo:
     num_partitions = _metric(metrics, "num-partitions")
     if not num_partitions.is_integer() or not 1 <= num_partitions <= MAX_PARTITIONS:
         raise InvalidReply(f"num-partitions {num_partitions!r} is not an integer in [1, {MAX_PARTITIONS:,}]")
-    counts = [_metric(metrics, key) for key in (p.NUM_EXAMPLES, "test-examples")]
-    if any(c <= 0 or not c.is_integer() for c in counts):
-        raise InvalidReply(f"sample counts {counts} must be positive integers")
+    counts = [_sample_count(_metric(metrics, key), key) for key in (p.NUM_EXAMPLES, "test-examples")]
     _check_sample_bound(counts[0], max_samples)
     return ClientInfo(
         partition_id=_partition_id(metrics, int(num_partitions)),

@@ -219,16 +219,21 @@ class RunReport:
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write(directory / "config.json", json.dumps(config, indent=2).encode())
 
-    def write_status(self, state: str, completed_rounds: int, resume: str, error: str = "") -> None:
+    def write_status(  # pylint: disable=too-many-arguments
+        self, state: str, completed_rounds: int, resume: str, error: str = "", checkpoint: Path | None = None,
+    ) -> None:
         """``status.json``: where the run stands, for an operator and for scripts.
 
         ``state`` is ``running`` (rewritten after every round, so a ``running`` status whose
         ``updated`` time stopped moving is a ServerApp that died, with its SuperLink say),
-        ``finished`` or ``failed`` (with the error); ``resume`` continues from the checkpoint.
+        ``finished`` or ``failed`` (with the error); ``resume`` continues from ``checkpoint``
+        (by default the run's own, in its folder).
         """
+        if checkpoint is None:
+            checkpoint = self.directory / "checkpoint.npz"
         status = {
             "state": state, "completed_rounds": completed_rounds, "num_rounds": self.num_rounds,
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(self.directory / "checkpoint.npz"),
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(checkpoint),
             "resume": resume, "error": error,
         }
         atomic_write(self.directory / "status.json", json.dumps(status, indent=2).encode())

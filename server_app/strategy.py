@@ -598,7 +598,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             previous_extractor=self.extractor,
             previous_head=self.global_head,
         )
-        self._store(updates, result)
+        self._store(server_round, updates, result)
         if result.aggregated is not None:
             record.aggregated = [updates[i].partition_id for i in result.aggregated]
             log(INFO, "Round %d: base and global head aggregated over partitions %s of S_t %s",
@@ -637,10 +637,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                     self.max_weight_ratio, w)
         return weights
 
-    def _store(self, updates: list[ClientUpdate], result: RoundAggregate) -> None:
-        """Keep the round's outcome: the global parts, and the per-client parts by partition-id."""
+    def _store(self, server_round: int, updates: list[ClientUpdate], result: RoundAggregate) -> None:
+        """Keep the round's outcome: the global parts, and the per-client parts by partition-id.
+
+        Alignment targets that are not all finite are not kept: every client would align to them
+        next round (and the checkpoint would keep them). Reply validation lets none through;
+        this is the second guard, should an average overflow the model's dtype after all."""
         if result.centroids is not None and result.centroid_mask is not None:
-            self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
+            if np.isfinite(result.centroids).all():
+                self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
+            else:
+                log(WARNING, "Round %d: the aggregated centroids are not all finite; the previous ones are kept",
+                    server_round)
         if result.extractor is not None:
             self.extractor = result.extractor
         else:
@@ -657,10 +665,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             if update.scale is not None:
                 self.posterior_scales[update.partition_id] = update.scale
         if result.clusters is not None:
+            anchors, mask = result.clusters.anchors, result.clusters.anchor_mask
+            finite = np.isfinite(anchors).all(axis=(1, 2))
+            if not finite.all():
+                log(WARNING, "Round %d: the merged anchors of partitions %s are not all finite; their previous "
+                    "ones are kept", server_round, [updates[i].partition_id for i in np.flatnonzero(~finite)])
             for i, update in enumerate(updates):
-                self.anchors[update.partition_id] = (result.clusters.anchors[i], result.clusters.anchor_mask[i])
-            if not self.clustering.clustered_anchors:  # the round's mean, for every client from now on
-                self.anchors[GLOBAL_ANCHORS] = (result.clusters.anchors[0], result.clusters.anchor_mask[0])
+                if finite[i]:
+                    self.anchors[update.partition_id] = (anchors[i], mask[i])
+            if not self.clustering.clustered_anchors and finite[0]:  # the round's mean, for every client
+                self.anchors[GLOBAL_ANCHORS] = (anchors[0], mask[0])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -36,3 +36,17 @@ def test_absent_class_keeps_previous_centroid_or_stays_absent():
     centroids, mask = aggregate_centroids(local, counts, previous, np.array([False, True, False]))
     np.testing.assert_allclose(centroids[:, 0], [2.0, -1.0, 0.0])
     assert mask.tolist() == [True, True, False]
+
+
+def test_weights_whose_sum_overflows_still_average():
+    # two weights of 1e308 sum to Inf: divided by that sum, every weight was 0 and the mean 0
+    models = [{"w": np.array([1.0], dtype=np.float32)}, {"w": np.array([3.0], dtype=np.float32)},
+              {"w": np.array([100.0], dtype=np.float32)}]
+    result = weighted_average(models, [1e308, 1e308, 20])
+    np.testing.assert_allclose(result["w"], [2.0])
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_weighted_average_rejects_weights_that_are_not_finite(bad):
+    with pytest.raises(ValueError, match="finite"):
+        weighted_average([{"w": np.ones(2)}, {"w": np.zeros(2)}], [bad, 1.0])

@@ -107,6 +107,17 @@ CASES = {
     # finite as float64, Inf once cast to the model's float32
     "extractor weights that overflow float32": (set_array(p.MODEL, "extractor.0.weight",
                                                           lambda a: np.full(a.shape, 1e300)), "NaN or Inf"),
+    # the same for the statistics: as float64 they pass, the server's float32 means of them are Inf
+    "centroids that overflow float32": (set_array(p.STATISTICS, p.CENTROID_VALUES,
+                                                  lambda a: np.full(a.shape, 1e300)), "'centroids' holds NaN or Inf"),
+    "h that overflows float32": (set_array(p.STATISTICS, p.H, lambda a: np.full(a.shape, 1e300)),
+                                 "'h' holds NaN or Inf"),
+    # h finite in float32, its squares are not: V's rounding scale must not become Inf
+    "negative V with an h whose squares overflow float32": (
+        lambda r: (set_array(p.STATISTICS, p.H, lambda a: np.full(a.shape, 1e30, np.float32))(r),
+                   set_metric(p.V, -1e300)(r)), "V = -1e+300 is negative"),
+    # past 2**53 a float64 holds no odd whole numbers; two such counts overflow the weights' sum
+    "num-examples above 2**53": (set_metric(p.NUM_EXAMPLES, 2.0**60), "is above 2**53"),
     "a head of strings": (set_array(p.MODEL, "head.bias", lambda a: a.astype(str)), "not an array of numbers"),
     "a head of float128": (set_array(p.MODEL, "head.bias", lambda a: a.astype(np.longdouble)),
                            "not an array of numbers"),

@@ -220,3 +220,15 @@ def test_a_vectorized_solver_that_raises_falls_back_to_cvxpy_for_every_row(monke
     assert result.status == ["cvxpy"] * 4
     expected = collaboration_weights(h, v, n, threshold=0.0, solver="cvxpy").alpha
     np.testing.assert_allclose(result.alpha, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_variance_terms_past_half_the_float64_range_are_solved(solver):
+    """V_j / n_j of 1.7e308 (a finite V, n = 1): P + P^T, and the sum of P's diagonal, overflow
+    to Inf; the clients with such a term are only left out of the others' mixes."""
+    h, v, n = _stats(5)
+    v[3:], n[3:] = 1.7e308, 1.0
+    result = collaboration_weights(h, v, n, solver=solver)
+    assert not [s for s in result.status if s.startswith("fallback")]
+    np.testing.assert_allclose(result.alpha.sum(axis=1), 1.0)
+    assert (result.alpha[:, 3:] == 0).all()  # nobody takes the infinitely noisy heads, not even their own

@@ -181,3 +181,35 @@ def test_a_run_continues_another_drifts_rounds_while_no_label_has_changed(tmp_pa
     (later_dir,) = (tmp_path / "later").iterdir()
     with pytest.raises(ConfigError, match="drift: 'sudden' -> 'recurrent'"):
         _run({**recurrent, "output-dir": str(tmp_path / "refused"), "resume-from": str(later_dir)}, grid_seed=1)
+
+
+def test_a_resumed_run_that_stops_before_its_first_round_points_at_the_checkpoint_it_resumed_from(tmp_path):
+    """Until the resumed run has saved a checkpoint of its own, its folder holds none: status.json
+    and the logged command name the checkpoint it resumed from, which still holds its last state."""
+    from common.model import split_state
+    from server_app.app import initial_model, model_shape
+    from server_app.checkpoint import Checkpoint, save_checkpoint
+
+    config = {**BASE, "output-dir": str(tmp_path / "out")}
+    cfg = parse_run_config(config)
+    extractor, _ = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    old = tmp_path / "old"
+    old.mkdir()
+    save_checkpoint(Checkpoint(completed_rounds=2, extractor=extractor,
+                               centroids=np.zeros((cfg.num_classes, 128), np.float32),
+                               centroid_mask=np.zeros(cfg.num_classes, bool), heads={}, rounds=[],
+                               model_shape=model_shape(cfg), seed=cfg.seed), old)
+
+    class UnreachableGrid:
+        def get_node_ids(self):
+            raise RuntimeError("SuperLink unreachable")
+
+    with pytest.raises(RuntimeError, match="SuperLink unreachable"):
+        run_fedpac(UnreachableGrid(), parse_run_config({**config, "resume-from": str(old)}), 2)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert not (run_dir / "checkpoint.npz").exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["completed_rounds"] == 2
+    assert status["checkpoint"] == str(old / "checkpoint.npz")
+    assert load_checkpoint(status["checkpoint"]).completed_rounds == 2
+    assert status["resume"].endswith(f"resume-from='{old}'\"")

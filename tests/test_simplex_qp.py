@@ -62,3 +62,11 @@ def test_active_set_reaches_the_optimum_from_a_poor_start():
         polished = active_set_row(q / np.abs(np.diag(q)).max(), b[row] / np.abs(np.diag(q)).max(), start)
         assert polished is not None
         np.testing.assert_allclose(polished, reference[row], atol=1e-6)
+
+
+def test_entries_past_half_the_float64_range_are_solved():
+    # q + q.T overflows to Inf here; a variance term V_j / n_j this large is a valid reply
+    q = np.diag([1.0, 1.0, 1.7e308, 1.7e308])
+    solution = solve_simplex_qps(q, np.zeros((2, 4)))
+    assert solution.converged.all()
+    np.testing.assert_allclose(solution.alpha, [[0.5, 0.5, 0.0, 0.0]] * 2, atol=1e-6)

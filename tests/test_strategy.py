@@ -8,7 +8,7 @@ import pytest
 from flwr.app import ConfigRecord
 
 from common import protocol as p
-from common.aggregation import weighted_average
+from common.aggregation import aggregate_round, weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import parse_run_config
 from federation import InProcessGrid, set_section
@@ -125,6 +125,37 @@ def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
     assert "holds NaN" in caplog.text or "hold NaN" in caplog.text
     assert "num-examples" in caplog.text
     assert "client error" in caplog.text
+
+
+def test_aggregated_alignment_targets_that_are_not_finite_are_not_kept(monkeypatch, caplog):
+    """Replies are checked in the model's dtype, so no average of them should overflow it; should
+    one all the same, the clients' alignment targets (and the checkpoint) keep the last finite ones."""
+    import dataclasses
+
+    import server_app.strategy as strategy_module
+    from common.methods import METHODS
+
+    def overflowing(*args, **kwargs):
+        result = aggregate_round(*args, **kwargs)
+        anchors = result.clusters.anchors.copy()
+        anchors[1] = np.inf  # the second reply's (partition 1's) merged anchors
+        return dataclasses.replace(result, centroids=np.full_like(result.centroids, np.inf),
+                                   clusters=dataclasses.replace(result.clusters, anchors=anchors))
+
+    config = {**RUN_CONFIG, "strategy": "fedccfa"}
+    strategy, arrays = _strategy(parse_run_config(config), method=METHODS["fedccfa"])
+    centroids = strategy.centroids.copy()
+    previous = (np.ones_like(centroids), np.ones(len(centroids), dtype=bool))  # of an earlier round
+    strategy.anchors[1] = previous
+    monkeypatch.setattr(strategy_module, "aggregate_round", overflowing)
+    with caplog.at_level(logging.WARNING):
+        _train_round(strategy, InProcessGrid(config, 3), arrays)
+    assert "aggregated centroids are not all finite" in caplog.text
+    assert "merged anchors of partitions [1] are not all finite" in caplog.text
+    np.testing.assert_array_equal(strategy.centroids, centroids)
+    assert strategy.anchors[1] is previous  # partition 1 keeps its earlier anchors
+    assert sorted(strategy.anchors) == [0, 1, 2]  # the others take this round's
+    assert all(np.isfinite(values).all() for values, _ in strategy.anchors.values())
 
 
 def test_a_round_without_valid_replies_keeps_the_global_state():
