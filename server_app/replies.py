@@ -382,9 +382,7 @@ def parse_evaluation(metrics, node_id: int, num_partitions: int | None = None) -
     accuracy = _metric(metrics, "accuracy")
     if not 0.0 <= accuracy <= 1.0:
         raise InvalidReply(f"accuracy {accuracy} outside [0, 1]")
-    num_examples = _metric(metrics, p.NUM_EXAMPLES)
-    if num_examples <= 0:
-        raise InvalidReply(f"num-examples {num_examples} must be positive")
+    num_examples = _sample_count(_metric(metrics, p.NUM_EXAMPLES), p.NUM_EXAMPLES)
     generalized = None
     if p.GENERALIZED_ACCURACY in metrics:
         generalized = _metric(metrics, p.GENERALIZED_ACCURACY)

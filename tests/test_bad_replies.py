@@ -182,6 +182,8 @@ def _evaluation_metrics_as_config(reply):
 EVALUATION_CASES = {
     "accuracy 3": (_set_evaluation_metric("accuracy", 3.0), "outside [0, 1]"),
     "negative eval-seconds": (_set_evaluation_metric(p.EVAL_SECONDS, -1.0), "is negative"),
+    "fractional num-examples": (_set_evaluation_metric(p.NUM_EXAMPLES, 10.5), "must be positive and a whole number"),
+    "num-examples above 2**53": (_set_evaluation_metric(p.NUM_EXAMPLES, 1e300), "is above 2**53"),
     "NaN eval-seconds": (_set_evaluation_metric(p.EVAL_SECONDS, float("nan")), "not a finite number"),
     "metrics as a config record, with a string": (_evaluation_metrics_as_config, "not a MetricRecord"),
 }
