@@ -10,6 +10,16 @@ from pathlib import Path
 import numpy as np
 
 
+def temporary_path(path: Path) -> Path:
+    """Where :func:`atomic_write` writes ``path`` before renaming it: a hidden sibling."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def is_write_in_progress(path: Path) -> bool:
+    """Whether ``path`` is :func:`atomic_write`'s temporary file, not a file of its own."""
+    return path.name.startswith(".") and path.suffix == ".tmp"
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write, flush to disk, then rename: readers see the old file or the new one, never half.
 
@@ -17,7 +27,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     raised again with the same errno and a message naming ``path`` and the bytes it tried to write.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as stream:
             stream.write(data)

@@ -27,6 +27,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.files import is_write_in_progress
 from experiments.summary import RunOutputs, read_run
 
 # Written by the ServerApp; only a run that may still be continued needs them.
@@ -56,9 +57,8 @@ def runs_to_keep(cell: Path) -> list[RunOutputs]:
 
 
 def _archived(path: Path) -> bool:
-    """A file an archive holds: not a chart (redrawn from the data) nor a write in progress
-    (``common.files.atomic_write``'s ``.<name>.tmp``)."""
-    return path.is_file() and path.suffix != ".png" and not (path.name.startswith(".") and path.suffix == ".tmp")
+    """A file an archive holds: not a chart (redrawn from the data) nor a write in progress."""
+    return path.is_file() and path.suffix != ".png" and not is_write_in_progress(path)
 
 
 def cell_files(cell: Path, full_rounds: int) -> list[Path]:

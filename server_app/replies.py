@@ -218,12 +218,10 @@ def _sample_count(value: float, what: str) -> float:
 def _variance_metric(v: float, h: np.ndarray) -> float:
     """V, checked against the client's h. V is a difference of sums of squares: when all of a
     client's features of its only class coincide it is 0 up to rounding, which may leave it a
-    hair below 0; rounding relative to the sum of squares of h, taken in float64 (the squares
+    hair below 0; rounding relative to the sum of squares of h, taken in float64: the squares
     of a float32-finite h can overflow float32, and an infinite scale would pass any negative
-    V as rounding)."""
+    V as rounding (in float64 they cannot: at most ~1e77 each)."""
     scale = max(1.0, float(np.sum(np.square(h, dtype=np.float64))))
-    if not np.isfinite(scale):
-        raise InvalidReply(f"statistics '{p.H}' have a sum of squares past float64")
     if v < -V_ROUNDING * scale:
         raise InvalidReply(f"V = {v} is negative")
     return max(v, 0.0)
