@@ -399,13 +399,18 @@ def _pace_setting(planned: PlannedCell) -> str:
     return f"{experiment.name}/{setting}"
 
 
-def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None] = print) -> None:
-    """List the cells and their state without running anything (--dry-run)."""
+def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None] = print,
+             extend: bool = False) -> None:
+    """List the cells and their state without running anything (--dry-run); with ``extend``, a
+    cell to run names the shorter run it would continue, as the runner would."""
     cells = plan(experiments)
     for index, planned in enumerate(cells, start=1):
         directory = stored_directory(out, planned.cell)
         done, partial = finished_run(directory, planned.cell), resumable_run(directory, planned.cell)
+        shorter = extension_source(out, planned.cell) if extend and not (done or partial) else None
         state = ("finished" if done else f"resumable after round {partial.completed_rounds}" if partial
+                 else f"to run, extending the finished {shorter.completed_rounds}-round run "
+                      f"{shorter.directory.parent.name}/{shorter.directory.name}" if shorter
                  else "to run")
         log(f"[{index}/{len(cells)}] {planned.label}: {planned.cell.clients} clients, "
             f"{planned.cell.rounds} rounds: {state}")
@@ -503,7 +508,7 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
         return 2
     out = (args.out or Path("outputs") / "experiments" / args.grid.stem).resolve()
     if args.dry_run:
-        describe(experiments, out)
+        describe(experiments, out, extend=args.extend)
         return 0
     if args.report_only:
         for experiment in experiments:

@@ -295,6 +295,12 @@ def test_extend_continues_the_longest_finished_shorter_run_of_the_same_configura
     for rounds in ("2", "3"):
         assert main([str(grid), "--out", str(out), "--methods", "fedavg", "--rounds", rounds],
                     execute=FakeSimulation()) == 0
+    capsys.readouterr()
+    assert main([str(grid), "--out", str(out), "--methods", "fedavg,fedpac", "--rounds", "6", "--extend",
+                 "--dry-run"]) == 0
+    planned = capsys.readouterr().out.splitlines()
+    assert "fedavg | seed 0: 3 clients, 6 rounds: to run, extending the finished 3-round run fedavg-3c-" in planned[0]
+    assert planned[1].endswith("fedpac | seed 0: 3 clients, 6 rounds: to run")
     extending = FakeSimulation()
     assert main([str(grid), "--out", str(out), "--methods", "fedavg,fedpac", "--rounds", "6", "--extend"],
                 execute=extending) == 0
