@@ -49,14 +49,24 @@ from common.methods import METHODS
 
 # Run-config keys that are the grid's own axes (or the runner's business), not overrides.
 RESERVED_KEYS = ("strategy", "seed", "num-server-rounds", "output-dir", "resume-from")
-# Config fields that differ between runs of one cell without changing what it computes.
-NOT_IDENTITY = ("output_dir", "resume_from", "save_model_every")
+# Config fields that differ between runs of one cell without changing what it computes: where
+# its files go, how long a round may wait.
+NOT_IDENTITY = ("output_dir", "resume_from", "save_model_every", "round_timeout")
 # Config fields added after cells were run, whose default does not compute what a run without
 # the field computed: that run's value, from its stored config (FedRep trained its body for
 # `local-epochs` epochs before `fedrep-body-epochs` existed).
 _ADDED_WITH_OTHER_DEFAULT: dict[str, Callable[[dict[str, Any]], Any]] = {
     "fedrep_body_epochs": lambda c: c.get("local_epochs") if c.get("strategy") == "fedrep" else 1,
 }
+
+
+def not_identity(config: dict[str, Any]) -> tuple[str, ...]:
+    """:data:`NOT_IDENTITY`, and ``data-dir`` where it only says where the dataset lies: a grid
+    moved to a machine that keeps its data in another folder still finds its cells. A Hugging
+    Face dataset read from disk without a repository name is named by its folder alone, so
+    there ``data-dir`` says what is computed."""
+    named_by_folder = config.get("dataset") == "hf" and not config.get("hf_repo")
+    return NOT_IDENTITY if named_by_folder else (*NOT_IDENTITY, "data_dir")
 
 
 def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ()) -> bool:
@@ -68,7 +78,7 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     (``--extend`` compares cells of different lengths).
     """
     defaults = asdict(FedPACConfig())
-    skip = {*NOT_IDENTITY, *ignore}
+    skip = {*not_identity(current), *ignore}
     for key, value in current.items():
         if key in skip:
             continue
@@ -104,7 +114,7 @@ class Cell:
     def identity(self) -> dict[str, Any]:
         """What the cell computes: the validated config (defaults filled in) and client count."""
         config = asdict(parse_run_config(self.run_config))
-        for name in NOT_IDENTITY:
+        for name in not_identity(config):
             config.pop(name)
         return {"clients": self.clients, "config": config}
 

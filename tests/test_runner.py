@@ -15,13 +15,15 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common.config import parse_run_config
 from experiments.archive import archive_grid
-from experiments.grid import GridError, Overrides, load_grid, parse_assignment
+from experiments.grid import Cell, GridError, Overrides, load_grid, parse_assignment
 from experiments.runner import cell_directory, main, plan, results_of
 from experiments.summary import finished_run, resumable_run
 
@@ -198,7 +200,7 @@ def _fake_run(cell, directory, accuracies, finished=True, name="20260101-000000-
     ``generalized`` maps the rounds that measured the generalized accuracy to its value."""
     run = directory / name
     run.mkdir(parents=True)
-    config = {**cell.identity["config"], "output_dir": str(directory), "resume_from": ""}
+    config = {**asdict(parse_run_config(cell.run_config)), "output_dir": str(directory), "resume_from": ""}
     rounds = []
     for number, accuracy in enumerate(accuracies, start=1):
         record = {"round": number, "mean_accuracy": accuracy, "seconds": 30.0,
@@ -485,9 +487,21 @@ def test_cells_written_before_the_config_grew_are_still_found(tmp_path, capsys):
     assert nothing.calls == [] and not legacy.exists() and cell_directory(out, cell).is_dir()
 
 
+def test_where_the_data_lies_and_how_long_a_round_may_wait_are_not_what_a_cell_computes():
+    def key(**run_config):
+        return Cell("fedpac", 4, 0, 3, {"strategy": "fedpac", "seed": 0, "num-server-rounds": 3, **run_config}).key
+
+    assert key() == key(**{"data-dir": "/data/fmnist"}) == key(**{"data-dir": "/mnt/f", "round-timeout": 60.0})
+    assert key() != key(**{"local-epochs": 2})
+    # a Hugging Face dataset saved to disk without a repository name is named by its folder
+    by_folder = {"dataset": "hf", "num-classes": 10}
+    assert key(**by_folder, **{"data-dir": "/a"}) != key(**by_folder, **{"data-dir": "/b"})
+    by_repo = {**by_folder, "hf-repo": "user/set"}
+    assert key(**by_repo, **{"data-dir": "/a"}) == key(**by_repo, **{"data-dir": "/b"})
+
+
 def test_fedrep_runs_from_before_fedrep_body_epochs_are_not_fedreps_new_default():
     from experiments.grid import same_computation
-    from dataclasses import asdict
     from common.config import FedPACConfig
 
     current = {k: v for k, v in asdict(FedPACConfig(strategy="fedrep")).items()}
@@ -742,8 +756,10 @@ def test_a_stalled_run_is_not_continued_the_run_before_it_is(tmp_path, capsys):
 def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path, capsys):
     """``experiments.archive``: what a grid in progress needs to go on elsewhere, and no more."""
     grid, out = _grid(tmp_path), tmp_path / "machine-1" / "grid"
-    assert main([str(grid), "--out", str(out), "--seeds", "0"], execute=FakeSimulation(crash={"fedpac"})) == 1
-    fedavg, fedpac = (c for _, c in load_grid(grid, Overrides(seeds=[0]))[0].cells())
+    here = ["--set", f"data-dir={tmp_path / 'machine-1' / 'data'}"]
+    assert main([str(grid), "--out", str(out), "--seeds", "0", *here], execute=FakeSimulation(crash={"fedpac"})) == 1
+    overrides = Overrides(seeds=[0], run_config=dict([parse_assignment(here[1])]))
+    fedavg, fedpac = (c for _, c in load_grid(grid, overrides)[0].cells())
     finished = finished_run(cell_directory(out, fedavg), fedavg)
     stopped = resumable_run(cell_directory(out, fedpac), fedpac)
     assert finished is not None and stopped is not None
@@ -773,8 +789,10 @@ def test_an_archived_grid_continues_on_another_machine_where_it_stopped(tmp_path
     assert not any(name.startswith(superseded.relative_to(out.parent).as_posix()) for name in names)
 
     capsys.readouterr()
-    elsewhere = FakeSimulation()
-    assert main([str(grid), "--out", str(tmp_path / "machine-2" / "grid"), "--seeds", "0"], execute=elsewhere) == 0
+    elsewhere = FakeSimulation()  # which keeps its data in another folder and waits longer for a round
+    there = ["--set", f"data-dir={tmp_path / 'machine-2' / 'data'}", "--set", "round-timeout=7200"]
+    assert main([str(grid), "--out", str(tmp_path / "machine-2" / "grid"), "--seeds", "0", *there],
+                execute=elsewhere) == 0
     assert [(method, resume_from.name if resume_from else None) for method, _, resume_from in elsewhere.calls] == [
         ("fedpac", stopped.directory.name)]
     assert "fedavg | seed 0: finished before, skipped" in capsys.readouterr().out
