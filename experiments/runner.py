@@ -276,7 +276,9 @@ def results_of(experiment: Experiment, out: Path) -> Results:
 def report(experiment: Experiment, out: Path) -> Path:
     """Rewrite one experiment's report from its finished cells; returns its folder."""
     directory = out / experiment.name
-    write_report(experiment, results_of(experiment, out), directory)
+    trained = {(setting.name, cell.method, cell.seed): run.completed_rounds for setting, cell in experiment.cells()
+               if (run := resumable_run(stored_directory(out, cell), cell)) is not None}
+    write_report(experiment, results_of(experiment, out), directory, trained)
     return directory
 
 

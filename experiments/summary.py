@@ -26,7 +26,7 @@ import io
 import json
 import math
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -471,27 +471,33 @@ def seconds_left(done: Sequence[tuple[str, str, float, int]], todo: Sequence[tup
     return left
 
 
-def compute_line(experiment: Experiment, results: Results) -> str:
-    """The experiment's computing so far and, at that pace, what its unfinished cells need."""
+def compute_line(experiment: Experiment, results: Results,
+                 trained: Mapping[tuple[str, str, int], int] | None = None) -> str:
+    """The experiment's computing so far and, at that pace, what its unfinished cells need:
+    their rounds less those their stopped runs already trained (``trained``, by setting, method
+    and seed)."""
+    trained = trained or {}
     total = len(experiment.cells())
     spent = sum(run.compute_seconds for run in results.values())
     line = f"Compute: {len(results)} of {total} cells finished, their rounds took {_hours(spent)}"
     if len(results) < total:
         done = [(setting, method, run.compute_seconds, run.completed_rounds)
                 for (setting, method, _), run in results.items()]
-        todo = [(setting.name, cell.method, cell.rounds) for setting, cell in experiment.cells()
-                if (setting.name, cell.method, cell.seed) not in results]
+        todo = [(setting.name, cell.method, cell.rounds - trained.get((setting.name, cell.method, cell.seed), 0))
+                for setting, cell in experiment.cells() if (setting.name, cell.method, cell.seed) not in results]
         line += (f"; the {len(todo)} cells left need about {_hours(seconds_left(done, todo))} at the pace "
                  "of their methods so far" if results else f"; {len(todo)} cells left")
     return line + "."
 
 
-def write_report(experiment: Experiment, results: Results, directory: Path) -> list[dict[str, Any]]:
-    """Rewrite the experiment's summary.csv, table.md, accuracy.png and alpha heatmaps."""
+def write_report(experiment: Experiment, results: Results, directory: Path,
+                 trained: Mapping[tuple[str, str, int], int] | None = None) -> list[dict[str, Any]]:
+    """Rewrite the experiment's summary.csv, table.md, accuracy.png and alpha heatmaps
+    (``trained``: :func:`compute_line`'s)."""
     directory.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(experiment, results)
     atomic_write(directory / "summary.csv", summary_csv(rows, summary_columns(experiment)))
-    table = markdown_table(experiment, rows) + "\n" + compute_line(experiment, results) + "\n"
+    table = markdown_table(experiment, rows) + "\n" + compute_line(experiment, results, trained) + "\n"
     atomic_write(directory / "table.md", table.encode())
     atomic_write(directory / "curves.csv", curves_csv(experiment, results))
     if experiment.metric == "generalized":

@@ -251,6 +251,8 @@ def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_ch
     first = capsys.readouterr().out
     assert "[3/4] tiny/s-20 | fedpac | seed 0: FAILED (exit status 1)" in first
     assert "2 of 4 cells failed" in first
+    # each stopped cell has 1 of its 2 rounds left, at the 30 s a round of the setting so far
+    assert "the 2 cells left need about 1.0 min" in (out / "tiny" / "table.md").read_text()
 
     again = FakeSimulation()
     assert main(args, execute=again) == 0
@@ -709,6 +711,9 @@ def test_the_report_says_what_the_grid_computed_and_what_is_left(tmp_path):
     # fedpac seed 1 at fedpac's 30 s a round; fedavg has no pace yet, so the setting's
     assert line == ("Compute: 1 of 4 cells finished, their rounds took 1.0 min; "
                     "the 3 cells left need about 3.0 min at the pace of their methods so far.")
+    # fedpac seed 1 stopped after its first round: 5 rounds left, not 6
+    assert "the 3 cells left need about 2.5 min" in compute_line(experiment, {("s-20", "fedpac", 0): run},
+                                                                 trained={("s-20", "fedpac", 1): 1})
 
 
 def test_cells_left_go_at_their_methods_pace_then_their_settings_then_all():
