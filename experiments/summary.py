@@ -404,7 +404,11 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
     fig = Figure(figsize=(max(5.2, 1.3 * len(names) + 2.6), 3.9))
     ax = fig.subplots()
     for method, points in setting_lines(experiment, rows).items():
-        ax.errorbar(points[:, 0], points[:, 1], yerr=points[:, 2], marker="o", capsize=3, label=method)
+        # a setting not measured (yet) breaks the method's line: no segment passes for its value
+        mean, std = np.full(len(names), np.nan), np.zeros(len(names))
+        measured = points[:, 0].astype(int)
+        mean[measured], std[measured] = points[:, 1], points[:, 2]
+        ax.errorbar(np.arange(len(names)), mean, yerr=std, marker="o", capsize=3, label=method)
     ax.set_xticks(range(len(names)), names)
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_xlabel("setting")

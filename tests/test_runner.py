@@ -540,7 +540,8 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
 
 
-def test_an_experiment_over_several_settings_plots_the_final_accuracy_against_the_setting(tmp_path):
+def test_an_experiment_over_several_settings_plots_the_final_accuracy_against_the_setting(tmp_path, monkeypatch):
+    from experiments import summary
     from experiments.summary import setting_lines, summary_rows
 
     text = TINY.replace('[experiments.tiny.settings.s-20]', """[experiments.tiny.settings.s-0]
@@ -562,6 +563,12 @@ run-config = { uniform-share = 80.0 }
     np.testing.assert_allclose(lines["fedavg"], [[0, 81.0, math.sqrt(2)], [1, 80.0, 0.0], [2, 81.0, math.sqrt(2)]])
     np.testing.assert_allclose(lines["fedpac"], [[0, 91.0, math.sqrt(2)], [2, 91.0, math.sqrt(2)]])
     assert (out / "tiny" / "by-setting.png").stat().st_size > 0
+    figures = []
+    monkeypatch.setattr(summary, "save_figure", lambda fig, path: figures.append(fig))
+    summary.plot_by_setting(experiment, summary_rows(experiment, results_of(experiment, out)), tmp_path / "x.png")
+    fedavg, fedpac = (line.get_ydata() for line in figures[0].axes[0].lines if line.get_marker() == "o")
+    np.testing.assert_allclose(fedavg, [81.0, 80.0, 81.0])
+    np.testing.assert_allclose(fedpac, [91.0, np.nan, 91.0])  # no segment through the s-80 it lacks
     # one setting: no such chart
     (tmp_path / "one").mkdir()
     assert main([str(_grid(tmp_path / "one")), "--out", str(tmp_path / "one-out")], execute=FakeSimulation()) == 0
