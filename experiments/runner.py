@@ -276,9 +276,12 @@ def results_of(experiment: Experiment, out: Path) -> Results:
 def report(experiment: Experiment, out: Path) -> Path:
     """Rewrite one experiment's report from its finished cells; returns its folder."""
     directory = out / experiment.name
-    trained = {(setting.name, cell.method, cell.seed): run.completed_rounds for setting, cell in experiment.cells()
+    results = results_of(experiment, out)
+    unfinished = ((setting.name, cell) for setting, cell in experiment.cells()
+                  if (setting.name, cell.method, cell.seed) not in results)
+    trained = {(setting, cell.method, cell.seed): run.completed_rounds for setting, cell in unfinished
                if (run := resumable_run(stored_directory(out, cell), cell)) is not None}
-    write_report(experiment, results_of(experiment, out), directory, trained)
+    write_report(experiment, results, directory, trained)
     return directory
 
 
