@@ -21,7 +21,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from common.cpu import others_running
-from common.simplex_qp import solve_simplex_qps
+from common.simplex_qp import problem_scale, solve_simplex_qps
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,13 @@ def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: 
 
 
 def _stabilize(p: np.ndarray) -> np.ndarray:
-    """Symmetrize, scale to unit diagonal mean (argmin is scale-invariant) and add a ridge."""
+    """Symmetrize, scale (:func:`common.simplex_qp.problem_scale`) and add a ridge."""
     # halves first: p + p.T overflows for entries past half the float64 range (a V_j / n_j of
-    # 1e308 is a valid reply), and so would the diagonal's sum before its mean
+    # 1e308 is a valid reply)
     p = 0.5 * p + 0.5 * p.T
-    scale = (np.abs(np.diag(p)) / len(p)).sum()
-    if not np.isfinite(scale):
+    if not np.isfinite(p).all():
         raise ValueError("P has non-finite entries")
-    if scale > 0:
-        p = p / scale
-    return p + RIDGE * np.eye(len(p))
+    return p / problem_scale(np.diag(p)) + RIDGE * np.eye(len(p))
 
 
 def solve_simplex_qp(p: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Tolerances on the problem scaled to unit max diagonal (so relative to the largest ||h||^2).
+# Tolerances on the problem scaled to unit median diagonal (relative to a typical ||h||^2).
 GAP_TOLERANCE = 1e-10
 KKT_TOLERANCE = 1e-9
 SUPPORT_EPS = 1e-6
@@ -32,6 +32,9 @@ POLISH_AT = (25, 50, 100, 200, 400, 800, 1600)
 MAX_ACTIVE_SET_STEPS = 1000
 FAST_REFINEMENT_STEPS = 20
 MIN_POLISH_SUPPORT = 64
+# The median gives way to (largest diagonal entry) / this: past it the scaled entries would
+# overflow float64 in our solver, or their squares in cvxpy's (1.7e308 is a valid V_j / n_j).
+MAX_SCALED_DIAGONAL = 1e30
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,16 @@ def project_rows_to_simplex(y: np.ndarray) -> np.ndarray:
     rho = m - np.argmax(positive[:, ::-1], axis=1)  # number of positive entries
     theta = cumulative[np.arange(len(y)), rho - 1] / rho
     return np.maximum(y - theta[:, None], 0.0)
+
+
+def problem_scale(diagonal: np.ndarray) -> float:
+    """What a collaboration QP is divided by (its argmin is scale-invariant): the median
+    |diagonal|, a typical client's ||h||^2 + V / n. Not the max: one client whose statistics are
+    orders of magnitude off the others' (diverged or malicious) would shrink everyone else's
+    problem under the solvers' tolerances, and every other row would come out near uniform."""
+    diagonal = np.abs(diagonal)
+    scale = max(float(np.median(diagonal)), float(diagonal.max()) / MAX_SCALED_DIAGONAL)
+    return scale if scale > 0 else 1.0
 
 
 def _largest_eigenvalue(q: np.ndarray) -> float:
@@ -207,7 +220,7 @@ def solve_simplex_qps(
     ``q``: (m, m) PSD; ``b``: (r, m). Float64 throughout.
     """
     q = 0.5 * q + 0.5 * q.T  # halves first: q + q.T overflows past half the float64 range
-    scale = float(np.abs(np.diag(q)).max()) or 1.0
+    scale = problem_scale(np.diag(q))
     q, b = q / scale, b / scale
     rows, m = b.shape
     lipschitz = 2.0 * max(_largest_eigenvalue(q), 1e-12)
@@ -233,7 +246,7 @@ def solve_simplex_qps(
 
         finished = np.zeros(len(active), dtype=bool)
         if iteration % 10 == 0:
-            # absolute on the problem scaled to unit max diagonal
+            # absolute on the problem scaled to unit median diagonal
             finished = duality_gaps(alpha, q, b[active]) <= GAP_TOLERANCE
         if iteration in POLISH_AT:
             # exact solves cost O(support^3): wait until an iterate is sparse before trying

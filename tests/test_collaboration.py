@@ -232,3 +232,19 @@ def test_variance_terms_past_half_the_float64_range_are_solved(solver):
     assert not [s for s in result.status if s.startswith("fallback")]
     np.testing.assert_allclose(result.alpha.sum(axis=1), 1.0)
     assert (result.alpha[:, 3:] == 0).all()  # nobody takes the infinitely noisy heads, not even their own
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("factor", [1e3, 1e6, 1e9])
+def test_a_client_far_off_everyone_elses_scale_leaves_their_weights_alone(solver, factor):
+    """Two clients whose h is 1e3-1e9 times the others' (diverged, or malicious): nobody else
+    mixes their heads, and everybody else's weights are those without them. Scaling the problem
+    by its largest entry made the others' rows come out near uniform (a 20 % share of the own
+    label group where it is 100 %)."""
+    h, v, n = _clustered(20)
+    alone = collaboration_weights(h[:18], v[:18], n[:18], solver=solver).alpha
+    h[18:] *= factor
+    result = collaboration_weights(h, v, n, solver=solver)
+    assert not [s for s in result.status[:18] if s.startswith("fallback")]
+    assert (result.alpha[:18, 18:] == 0).all()
+    np.testing.assert_allclose(result.alpha[:18, :18], alone, atol=1e-3)

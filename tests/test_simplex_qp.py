@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from common.simplex_qp import active_set_row, duality_gaps, project_rows_to_simplex, solve_simplex_qps
+from common.simplex_qp import (
+    MAX_SCALED_DIAGONAL,
+    active_set_row,
+    duality_gaps,
+    problem_scale,
+    project_rows_to_simplex,
+    solve_simplex_qps,
+)
 
 
 def _bisection_projection(y):
@@ -70,3 +77,10 @@ def test_entries_past_half_the_float64_range_are_solved():
     solution = solve_simplex_qps(q, np.zeros((2, 4)))
     assert solution.converged.all()
     np.testing.assert_allclose(solution.alpha, [[0.5, 0.5, 0.0, 0.0]] * 2, atol=1e-6)
+
+
+def test_problem_scale_is_a_typical_diagonal_entry_bounded_against_overflow():
+    assert problem_scale(np.array([1.0, 2.0, 3.0, 1e12])) == 2.5  # the median: one outlier does not set it
+    assert problem_scale(np.array([1.0, 1.0, 1e300])) == 1e300 / MAX_SCALED_DIAGONAL
+    assert problem_scale(np.zeros(4)) == 1.0
+    assert problem_scale(np.array([-4.0, 4.0, 4.0])) == 4.0
