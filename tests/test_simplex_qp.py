@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from common.simplex_qp import (
+    MAX_ITERATIONS,
     MAX_SCALED_DIAGONAL,
     active_set_row,
     duality_gaps,
@@ -84,3 +85,21 @@ def test_problem_scale_is_a_typical_diagonal_entry_bounded_against_overflow():
     assert problem_scale(np.array([1.0, 1.0, 1e300])) == 1e300 / MAX_SCALED_DIAGONAL
     assert problem_scale(np.zeros(4)) == 1.0
     assert problem_scale(np.array([-4.0, 4.0, 4.0])) == 4.0
+
+
+def test_a_client_far_off_the_others_scale_does_not_stall_their_rows():
+    """One client with h 1e3 times the others' sets the step size of every gradient step (1 / the
+    largest eigenvalue): on the whole problem the others' rows ran to MAX_ITERATIONS. Left out of
+    the steps and certified after, they converge as usual, to the whole problem's optimum."""
+    rng = np.random.default_rng(0)
+    m = 150
+    h = rng.normal(size=(5, 40))[np.arange(m) % 5] + 0.05 * rng.normal(size=(m, 40))
+    h[-1] *= 1e3
+    gram = h @ h.T
+    q = gram + np.diag(rng.uniform(0.01, 0.05, m))
+    solution = solve_simplex_qps(q, gram)
+    assert solution.converged.all() and solution.iterations < MAX_ITERATIONS
+    assert solution.alpha.min() >= 0 and np.allclose(solution.alpha.sum(axis=1), 1)
+    row_scale = np.maximum(problem_scale(np.diag(q)), np.diag(q))  # the far row's entries are its own
+    assert (duality_gaps(solution.alpha, q, gram) <= 1e-8 * row_scale).all()
+    assert solution.alpha[:-1, -1].max() < 1e-3  # nobody else gives it a weight sparsify keeps
