@@ -32,8 +32,10 @@ POLISH_AT = (25, 50, 100, 200, 400, 800, 1600)
 MAX_ACTIVE_SET_STEPS = 1000
 FAST_REFINEMENT_STEPS = 20
 MIN_POLISH_SUPPORT = 64
-# The median gives way to (largest diagonal entry) / this: past it the scaled entries would
-# overflow float64 in our solver, or their squares in cvxpy's (1.7e308 is a valid V_j / n_j).
+# The median gives way to (largest diagonal entry) / this: Clarabel (the cvxpy fallback) fails
+# on a problem whose scaled entries span much more (1e50 failed on a V_j / n_j of 1.7e308, a
+# valid reply). Past it the other clients' rows are no longer solved as if the far one were
+# absent.
 MAX_SCALED_DIAGONAL = 1e30
 # A client whose diagonal is this many times the median (its ||h|| 100 times a typical
 # client's) sits out the gradient steps: see _solve_without_far.
@@ -42,7 +44,7 @@ FAR_DIAGONAL = 1e4
 
 @dataclass(frozen=True)
 class BatchSolution:
-    alpha: np.ndarray  # (m, m) rows on the simplex
+    alpha: np.ndarray  # (r, m): one row on the simplex per row of b
     converged: np.ndarray  # (m,) bool: certified by KKT or by the duality gap
     iterations: int
 
@@ -64,7 +66,11 @@ def problem_scale(diagonal: np.ndarray) -> float:
     orders of magnitude off the others' (diverged or malicious) would shrink everyone else's
     problem under the solvers' tolerances, and every other row would come out near uniform."""
     diagonal = np.abs(diagonal)
-    scale = max(float(np.median(diagonal)), float(diagonal.max()) / MAX_SCALED_DIAGONAL)
+    largest = float(diagonal.max())
+    # a zero median (most clients with h = 0 and no variance) says nothing of the scale of the
+    # rest: the largest entry does, as it did before
+    typical = float(np.median(diagonal)) or largest
+    scale = max(typical, largest / MAX_SCALED_DIAGONAL)
     return scale if scale > 0 else 1.0
 
 
@@ -225,7 +231,7 @@ def solve_simplex_qps(q: np.ndarray, b: np.ndarray) -> BatchSolution:
     scale = problem_scale(np.diag(q))
     q, b = q / scale, b / scale
     far = np.abs(np.diag(q)) > FAR_DIAGONAL
-    if far.any() and not far.all():
+    if far.any():  # never all: at most half the diagonal lies above 1e4 times its median
         return _solve_without_far(q, b, far)
     return _solve_scaled(q, b)
 
