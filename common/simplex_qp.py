@@ -45,7 +45,7 @@ FAR_DIAGONAL = 1e4
 @dataclass(frozen=True)
 class BatchSolution:
     alpha: np.ndarray  # (r, m): one row on the simplex per row of b
-    converged: np.ndarray  # (m,) bool: certified by KKT or by the duality gap
+    converged: np.ndarray  # (r,) bool: certified by KKT or by the duality gap
     iterations: int
 
 

@@ -238,7 +238,7 @@ def test_variance_terms_past_half_the_float64_range_are_solved(solver):
 @pytest.mark.parametrize("factor", [1e3, 1e6, 1e9])
 def test_a_client_far_off_everyone_elses_scale_leaves_their_weights_alone(solver, factor):
     """Two clients whose h is 1e3-1e9 times the others' (diverged, or malicious): nobody else
-    mixes their heads, and everybody else's weights are those without them. Scaling the problem
+    mixes their heads, and everybody else's weights stay within 1e-3 of those without them. Scaling the problem
     by its largest entry made the others' rows come out near uniform (a 20 % share of the own
     label group where it is 100 %)."""
     h, v, n = _clustered(20)
