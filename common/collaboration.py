@@ -14,14 +14,14 @@ and the fallback. Pure numpy + cvxpy; nothing here knows about Flower.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cvxpy as cp
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from common.cpu import others_running
-from common.simplex_qp import problem_scale, solve_simplex_qps
+from common.simplex_qp import far_off_scale, problem_scale, solve_simplex_qps
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,13 @@ def solver_blas_threads(num_clients: int) -> int | None:
 
 @dataclass(frozen=True)
 class CollaborationResult:
-    """Combination weights (row i = alpha_i over the clients) and each row's solver status."""
+    """Combination weights (row i = alpha_i over the clients), each row's solver status, and the
+    rows whose statistics are far off the others' scale (:func:`common.simplex_qp.far_off_scale`:
+    nobody else mixes their heads, which an operator wants to hear of)."""
 
     alpha: np.ndarray  # (m, m), rows on the simplex
     status: list[str]  # per row: "optimal" (vectorized), "cvxpy", or "fallback: <reason>"
+    far_off: list[int] = field(default_factory=list)
 
 
 def gram_matrix(h: np.ndarray) -> np.ndarray:
@@ -170,7 +173,16 @@ def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshol
             log.warning("collaboration QP of client row %d failed (%s); it keeps its own head", i, err)
             alpha[i] = np.eye(m)[i]
             status[i] = f"fallback: {err}"
-    return CollaborationResult(alpha=alpha, status=status)
+    return CollaborationResult(alpha=alpha, status=status, far_off=_far_off_rows(np.diag(gram) + variance))
+
+
+def _far_off_rows(diagonal: np.ndarray) -> list[int]:
+    """Rows far off the others' scale; an overflowed (infinite) diagonal entry is as far as any."""
+    finite = np.isfinite(diagonal)
+    far = ~finite
+    if finite.any():
+        far[finite] = far_off_scale(diagonal[finite])
+    return np.flatnonzero(far).tolist()
 
 
 def qp_objective(p: np.ndarray, alpha: np.ndarray) -> float:

@@ -74,6 +74,13 @@ def problem_scale(diagonal: np.ndarray) -> float:
     return scale if scale > 0 else 1.0
 
 
+def far_off_scale(diagonal: np.ndarray) -> np.ndarray:
+    """Which clients' diagonal (||h||^2 + V / n) lies over FAR_DIAGONAL times the problem's scale:
+    those whose statistics are orders of magnitude off a typical client's (diverged, malicious).
+    Never all of them: at most half the diagonal lies above 1e4 times its median."""
+    return np.abs(diagonal) / problem_scale(diagonal) > FAR_DIAGONAL
+
+
 def _largest_eigenvalue(q: np.ndarray) -> float:
     if len(q) <= 64:
         return float(np.linalg.eigvalsh(q)[-1])
@@ -228,10 +235,10 @@ def solve_simplex_qps(q: np.ndarray, b: np.ndarray) -> BatchSolution:
     left out of the gradient steps (:func:`_solve_without_far`).
     """
     q = 0.5 * q + 0.5 * q.T  # halves first: q + q.T overflows past half the float64 range
+    far = far_off_scale(np.diag(q))
     scale = problem_scale(np.diag(q))
     q, b = q / scale, b / scale
-    far = np.abs(np.diag(q)) > FAR_DIAGONAL
-    if far.any():  # never all: at most half the diagonal lies above 1e4 times its median
+    if far.any():
         return _solve_without_far(q, b, far)
     return _solve_scaled(q, b)
 

@@ -30,6 +30,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.aggregation import Clustering, RoundAggregate, aggregate_round, capped_sample_weights
 from common.methods import FEDPAC, Alignment, Method, Rule
+from common.simplex_qp import FAR_DIAGONAL
 from common.variational import VEMProtocol, draw_sample, softplus_inverse
 from server_app.replies import (
     ClientEvaluation,
@@ -610,6 +611,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             record.alpha_partitions = [u.partition_id for u in updates]
             record.alpha = result.collaboration.alpha.tolist()
             record.solver_status = result.collaboration.status
+            if result.collaboration.far_off:
+                log(WARNING, "Round %d: partitions %s report feature statistics (||h||^2 + V/n) over %g times a "
+                    "typical client's; no other client mixes their heads. Diverged, or not honest?", server_round,
+                    [updates[i].partition_id for i in result.collaboration.far_off], FAR_DIAGONAL)
         if result.clusters is not None:
             record.cluster_partitions = [u.partition_id for u in updates]
             record.clusters = result.clusters.labels.tolist()

@@ -232,6 +232,7 @@ def test_variance_terms_past_half_the_float64_range_are_solved(solver):
     assert not [s for s in result.status if s.startswith("fallback")]
     np.testing.assert_allclose(result.alpha.sum(axis=1), 1.0)
     assert (result.alpha[:, 3:] == 0).all()  # nobody takes the infinitely noisy heads, not even their own
+    assert result.far_off == [3, 4]
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
@@ -242,9 +243,11 @@ def test_a_client_far_off_everyone_elses_scale_leaves_their_weights_alone(solver
     by its largest entry made the others' rows come out near uniform (a 20 % share of the own
     label group where it is 100 %)."""
     h, v, n = _clustered(20)
-    alone = collaboration_weights(h[:18], v[:18], n[:18], solver=solver).alpha
+    honest = collaboration_weights(h[:18], v[:18], n[:18], solver=solver)
+    alone = honest.alpha
     h[18:] *= factor
     result = collaboration_weights(h, v, n, solver=solver)
+    assert honest.far_off == [] and result.far_off == [18, 19]  # named, for the server's log
     assert not [s for s in result.status[:18] if s.startswith("fallback")]
     assert (result.alpha[:18, 18:] == 0).all()
     np.testing.assert_allclose(result.alpha[:18, :18], alone, atol=1e-3)

@@ -127,6 +127,30 @@ def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
     assert "client error" in caplog.text
 
 
+def test_a_client_far_off_the_others_scale_is_named_in_the_log(caplog):
+    """A client whose h is 1e3 times everyone else's is valid (finite) input: the round goes on,
+    nobody else mixes its head, and the log names its partition so an operator can look into it."""
+    def tamper(reply, pid):
+        if pid == 2:
+            stats = p.sections_of(reply.content)[p.STATISTICS]
+            stats[p.H] = stats[p.H] * 1e3
+            set_section(reply, p.STATISTICS, stats)
+        return reply
+
+    cfg = parse_run_config(RUN_CONFIG)
+    strategy, arrays = _strategy(cfg)
+    grid = InProcessGrid(RUN_CONFIG, 5, tamper=tamper)
+    with caplog.at_level(logging.WARNING):
+        _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
+    assert new_arrays is not None and metrics["num-replies"] == 5
+    assert "partitions [2] report feature statistics" in caplog.text
+    record = strategy._record  # pylint: disable=protected-access  # the round's alpha, as the report gets it
+    assert record is not None
+    alpha = np.array(record.alpha)
+    far = record.alpha_partitions.index(2)
+    assert (np.delete(alpha[:, far], far) == 0).all()
+
+
 def test_aggregated_alignment_targets_that_are_not_finite_are_not_kept(monkeypatch, caplog):
     """Replies are checked in the model's dtype, so no average of them should overflow it; should
     one all the same, the clients' alignment targets (and the checkpoint) keep the last finite ones."""
