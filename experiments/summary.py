@@ -107,15 +107,21 @@ class RunOutputs:
 
     def accuracy_curve(self) -> tuple[list[int], list[float]]:
         """(round, mean personalized accuracy in %) for every evaluated round."""
-        points = [(r["round"], 100.0 * r["mean_accuracy"]) for r in self.rounds
-                  if r.get("accuracy") and r.get("mean_accuracy") is not None]
+        points = [(r["round"], 100.0 * r["mean_accuracy"]) for r in self.rounds if _measured(r, "mean_accuracy")]
         return [p[0] for p in points], [p[1] for p in points]
 
     def generalized_curve(self) -> tuple[list[int], list[float]]:
         """(round, mean generalized accuracy in %) for the rounds that measured it."""
         points = [(r["round"], 100.0 * r["mean_generalized_accuracy"]) for r in self.rounds
-                  if r.get("generalized") and r.get("mean_generalized_accuracy") is not None]
+                  if _measured(r, "mean_generalized_accuracy")]
         return [p[0] for p in points], [p[1] for p in points]
+
+
+def _measured(record: dict[str, Any], mean: str) -> bool:
+    """Whether a round record measured ``mean``: a round without replies has NaN there (None in
+    a published rounds.csv, which leaves it blank)."""
+    value = record.get(mean)
+    return value is not None and math.isfinite(value)
 
 
 def read_run(directory: Path) -> RunOutputs | None:
