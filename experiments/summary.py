@@ -118,8 +118,8 @@ class RunOutputs:
 
 
 def _measured(record: dict[str, Any], mean: str) -> bool:
-    """Whether a round record measured ``mean``: a round without replies has NaN there (None in
-    a published rounds.csv, which leaves it blank)."""
+    """Whether a round record measured ``mean``: a round without replies has NaN there (a
+    published rounds.csv writes nan, or leaves the generalized accuracy blank: None)."""
     value = record.get(mean)
     return value is not None and math.isfinite(value)
 
