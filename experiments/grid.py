@@ -362,6 +362,14 @@ def _selected(experiments: list[Experiment], overrides: Overrides) -> list[Exper
     return kept
 
 
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds``' list (:func:`load_grid` checks it: non-empty, distinct)."""
+    try:
+        return None if text is None else [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise GridError(f"--seeds expects integers separated by commas, got {text!r}") from err
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """``key=value`` from the command line; the value is read as TOML (``x=0.3``, ``d='a'``)
     and taken as a plain string when it is not valid TOML (``dataset=fashion-mnist``)."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from experiments.grid import Experiment, GridError, Overrides, load_grid
+from experiments.grid import Experiment, GridError, Overrides, load_grid, parse_seeds
 from experiments.summary import Results, RunOutputs, write_report
 
 
@@ -112,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         folders = _folders(args.setting)
-        seeds = None if args.seeds is None else [int(part) for part in args.seeds.split(",") if part.strip()]
-        experiments = load_grid(args.grid, Overrides(seeds=seeds, experiments=[args.experiment],
+        experiments = load_grid(args.grid, Overrides(seeds=parse_seeds(args.seeds), experiments=[args.experiment],
                                                      settings=sorted(folders)))
-    except (GridError, ValueError) as err:
+    except GridError as err:
         print(f"experiments.published: {err}", file=sys.stderr)
         return 2
     experiment = experiments[0]

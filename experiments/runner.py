@@ -36,7 +36,9 @@ from typing import Any
 from common.drift import drift_fields_free
 from common.files import atomic_write
 from common.methods import METHODS
-from experiments.grid import Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, same_computation
+from experiments.grid import (
+    Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, parse_seeds, same_computation
+)
 from experiments.summary import (
     RunOutputs,
     Results,
@@ -428,14 +430,6 @@ def _names(text: str | None) -> list[str] | None:
     return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _seeds(text: str | None) -> list[int] | None:
-    """``--seeds``' list (:func:`experiments.grid.load_grid` checks it: non-empty, distinct)."""
-    try:
-        return None if text is None else [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise GridError(f"--seeds expects integers separated by commas, got {text!r}") from err
-
-
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(
         prog="fedpac-experiments",
@@ -501,7 +495,7 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
             raise GridError(f"--rounds must be >= 1, got {args.rounds}")
         overrides = Overrides(
             rounds=args.rounds,
-            seeds=_seeds(args.seeds),
+            seeds=parse_seeds(args.seeds),
             experiments=_names(args.experiments),
             methods=_names(args.methods),
             settings=_names(args.settings),

@@ -86,6 +86,7 @@ def test_a_folder_that_is_no_rounds_table_is_unreadable_not_a_crash(tmp_path):
     (["--setting", "20-clients"], "SETTING=FOLDER"),
     (["--setting", "20-clients=/does/not/exist"], "is not a folder"),
     (["--setting", "40-clients={tmp}"], "40-clients"),
+    (["--setting", "20-clients={tmp}", "--seeds", "0,one"], "--seeds expects integers"),
 ])
 def test_bad_arguments_say_what_is_wrong(tmp_path, capsys, arguments, message):
     arguments = [a.replace("{tmp}", str(tmp_path)) for a in arguments]
