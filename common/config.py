@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from common.clustering import WEIGHTS
 from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift
 from common.methods import METHODS, SAMPLE_PROTOCOLS
+from common.sites import PartitionMap
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
 # The paper's step size eta of local training, per dataset (Appendix B.3: 0.01 for
@@ -61,6 +62,11 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # round always has an evaluate message of its own.
     fused_evaluation: bool = True
     round_timeout: float = 3600.0
+    # Which partition a deployed node serves (``common.sites``): "" by its registered name
+    # (supernode-<i> serves i), "NAME=I,..." or "SHA256:...=I,..." by the operator's map,
+    # "claims" by each node's own partition-id (no node authentication). The simulation's nodes
+    # are the federation's own: their partition-ids are believed.
+    partition_map: str = ""
     # Local update (Section 4; Appendix B.3 of the paper)
     local_epochs: int = 5
     head_epochs: int = 1
@@ -216,6 +222,11 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.max_weight_ratio == 0 or cfg.max_weight_ratio >= 1, k("max_weight_ratio"), cfg.max_weight_ratio,
            "0 (no cap) or >= 1")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
+    try:
+        PartitionMap.parse(cfg.partition_map)
+    except ValueError as err:
+        raise ConfigError(f"run config 'partition-map' = {cfg.partition_map!r} is invalid: {err}; expected "
+                          "'' (supernode-<i> serves partition i), 'claims', or 'NAME=I, SHA256:...=J, ...'") from err
     _check(cfg.local_epochs >= 1, k("local_epochs"), cfg.local_epochs, ">= 1")
     _check(cfg.fedrep_body_epochs >= 1, k("fedrep_body_epochs"), cfg.fedrep_body_epochs, ">= 1")
     for name in ("head_epochs", "fedrep_head_epochs", "finetune_epochs"):

@@ -7,12 +7,15 @@
 #     --state DIR        state database and, for a relative output-dir, the run outputs
 #                        (default: ./superlink-state)
 #     --fleet-address    where SuperNodes connect, gRPC (default: 0.0.0.0:9092)
-#     --control-address  where `flwr run`/`flwr ls` connect (default: 0.0.0.0:9093)
+#     --control-address  where `flwr run`/`flwr ls` connect (default: 127.0.0.1:9093, this host
+#                        only). Whoever reaches the Control API can run code on this host and
+#                        at every site, and Flower has no accounts there: reach it through an
+#                        SSH tunnel (docs/SECURITY.md), not an open port
 #     --database KIND    file (default: DIR/state.db, survives a restart) or memory (faster on
 #                        a crowded host; runs, node registrations and messages end with the process)
-# Open both ports in the firewall to the SuperNodes and the workstation respectively.
+# Open the Fleet API port (9092) to the sites' SuperNodes, and nothing else.
 set -euo pipefail
-certs="" state="superlink-state" fleet="0.0.0.0:9092" control="0.0.0.0:9093" database="file"
+certs="" state="superlink-state" fleet="0.0.0.0:9092" control="127.0.0.1:9093" database="file"
 while [ $# -gt 0 ]; do
   case "$1" in
     --certs) certs="$2"; shift 2 ;;

@@ -185,7 +185,12 @@ for ((attempt = 0; ; attempt++)); do
     kill "${children[1]}" 2>/dev/null || true; wait "${children[1]}" 2>/dev/null || true
   fi
   children=()
-  [ "$code" = 0 ] && exit 0
+  if [ "$code" = 0 ]; then
+    # This script's own TERM/INT end it through its trap; a node that ends with status 0 by
+    # itself was turned away: Flower's SuperNode stops itself when the SuperLink refuses its key.
+    echo "supernode.sh: flower-supernode ended by itself (status 0), which Flower does when the SuperLink no longer accepts this node's key: ask the federation's operator whether it was unregistered (flwr supernode ls); not restarting" >&2
+    exit 0
+  fi
   # tee has the node's last lines within milliseconds; a process the node left behind may keep
   # the pipe open, so wait a few seconds at most.
   for ((i = 0; i < 50; i++)); do kill -0 "$teepid" 2>/dev/null || break; sleep 0.1; done

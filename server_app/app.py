@@ -21,9 +21,10 @@ from common.drift import drift_fields_free
 from common.methods import METHODS
 from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
+from common.sites import PartitionMap, SiteRegistry
 from common.variational import VEMProtocol, initial_global_head
 from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
-from server_app.grid import ResponsiveGrid
+from server_app.grid import ResponsiveGrid, is_simulation
 from common.files import atomic_write, npz_bytes
 from server_app.report import RoundRecord, RunReport
 from server_app.strategy import FedPAC
@@ -138,7 +139,7 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
 RESUMABLE_KEYS = frozenset({
     "num_server_rounds", "output_dir", "resume_from", "device", "round_timeout", "min_available_clients",
     "min_train_replies", "max_failed_rounds", "generalized_every", "save_model_every", "data_dir",
-    "fused_evaluation",
+    "fused_evaluation", "partition_map",
 })
 
 
@@ -193,7 +194,10 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         clustering=Clustering(cfg.cluster_eps, cfg.cluster_weights, cfg.clustered_anchors),
         vem=VEMProtocol(cfg.vem_protocol, cfg.vem_sampling_rate, cfg.vem_initial_sigma),
         seed=cfg.seed,
+        sites=SiteRegistry(PartitionMap.parse(cfg.partition_map), trusted_claims=is_simulation(grid)),
     )
+    if isinstance(grid, ResponsiveGrid):  # a sealed reply is measured before it is opened
+        grid.reply_limit = strategy.max_reply_bytes
     if checkpoint is not None:
         strategy.restore(checkpoint)
         extractor = checkpoint.extractor

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message
 from flwr.app.error import Error
@@ -33,12 +33,18 @@ DEFAULT_POLL_INTERVAL = 0.1  # seconds; the simulation grid's own interval
 
 class ResponsiveGrid(Grid):
     """``grid`` with ``send_and_receive`` polling every ``poll_interval`` seconds, sealing the
-    messages it pushes when ``seal`` is true (by default: when ``grid`` is a deployment's)."""
+    messages it pushes when ``seal`` is true (by default: when ``grid`` is a deployment's).
 
-    def __init__(self, grid: Grid, poll_interval: float = DEFAULT_POLL_INTERVAL, seal: bool | None = None) -> None:
+    ``reply_limit`` gives the most bytes a reply may hold (the strategy's
+    ``max_reply_bytes``): a sealed reply whose envelope is larger is refused before any of it
+    is parsed."""
+
+    def __init__(self, grid: Grid, poll_interval: float = DEFAULT_POLL_INTERVAL, seal: bool | None = None,
+                 reply_limit: Callable[[], int] | None = None) -> None:
         self.grid = grid
         self.poll_interval = poll_interval
         self.seal = seals_messages(grid) if seal is None else seal
+        self.reply_limit = reply_limit
 
     def set_run(self, run):  # noqa: ANN001, ANN201
         return self.grid.set_run(run)
@@ -65,9 +71,10 @@ class ResponsiveGrid(Grid):
         return self.grid.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """The replies that arrived, sealed ones opened; a reply whose envelope does not open
-        becomes an error reply that names why."""
-        return [_opened(msg) for msg in self.grid.pull_messages(message_ids)]
+        """The replies that arrived, sealed ones opened; a reply whose envelope does not open,
+        or is larger than ``reply_limit``, becomes an error reply that names why."""
+        limit = self.reply_limit() if self.reply_limit is not None else None
+        return [_opened(msg, limit) for msg in self.grid.pull_messages(message_ids)]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages``, then pull replies until all arrived or ``timeout`` seconds passed."""
@@ -87,16 +94,26 @@ class ResponsiveGrid(Grid):
         return replies
 
 
+def is_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is a simulation's (its nodes are made by the federation itself, from the
+    run's own node configs), looking through a :class:`ResponsiveGrid`."""
+    return isinstance(grid.grid if isinstance(grid, ResponsiveGrid) else grid, InMemoryGrid)
+
+
 def seals_messages(grid: Grid) -> bool:
     """Whether a ServerApp on ``grid`` seals its messages: in a deployment, unless
     ``FEDPAC_SEAL_MESSAGES=0``."""
-    return not isinstance(grid, InMemoryGrid) and os.environ.get("FEDPAC_SEAL_MESSAGES", "1") != "0"
+    return not is_simulation(grid) and os.environ.get("FEDPAC_SEAL_MESSAGES", "1") != "0"
 
 
-def _opened(msg: Message) -> Message:
+def _opened(msg: Message, limit: int | None = None) -> Message:
     if msg.has_error() or not p.is_sealed(msg.content):
         return msg
+    size = p.payload_bytes(msg.content)  # the envelope's length: nothing in it is parsed yet
     try:
+        if limit is not None and size > limit:
+            raise ValueError(f"{size:,} bytes, more than the {limit:,} a reply of this model can need; "
+                             "refused before any of it was decoded")
         msg.content = p.unseal(msg.content)
     except ValueError as err:
         error = Error(code=ErrorCode.UNKNOWN, reason=f"malformed reply: {err}")

@@ -31,6 +31,7 @@ from common import protocol as p
 from common.aggregation import Clustering, RoundAggregate, aggregate_round, capped_sample_weights
 from common.methods import FEDPAC, Alignment, Method, Rule
 from common.simplex_qp import FAR_DIAGONAL
+from common.sites import Identity, SiteRegistry, fingerprint
 from common.variational import VEMProtocol, draw_sample, softplus_inverse
 from server_app.replies import (
     ClientEvaluation,
@@ -117,6 +118,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         sampling rate r of S_t, and the scale every client's posterior starts from.
     seed : int
         Seeds node sampling and the sample S_t.
+    sites : SiteRegistry, optional
+        Who may serve which partition (``common.sites``); by default every node's own claim
+        is believed, as in the simulation.
     on_round_end : callable, optional
         Called with each finished round's :class:`RoundRecord` (used to write outputs).
     """
@@ -141,6 +145,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         clustering: Clustering | None = None,
         vem: VEMProtocol | None = None,
         seed: int = 0,
+        sites: SiteRegistry | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
         self.initial_head = initial_head
@@ -182,7 +187,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self.centroid_mask = np.zeros(num_classes, dtype=bool)
         # Per-client alignment targets (FedCCFA's cluster anchors): (K, d) values, (K,) mask.
         self.anchors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.node_partition: dict[int, int] = {}
+        self.sites = sites or SiteRegistry(trusted_claims=True)
         self.num_partitions: int | None = None  # as the clients report it at discovery
         self.discovery_timeout: float | None = None  # set once discover() has run
         self.extractor_template: p.NDArrays | None = None
@@ -201,9 +206,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         self._sent: list[Message] = []
         self._bytes_received: dict[int, int] = {}
 
+    @property
+    def node_partition(self) -> dict[int, int]:
+        """The nodes bound to a partition, and their partition-ids."""
+        return self.sites.node_partition
+
     def summary(self) -> None:
         """Log the strategy's configuration."""
         method = self.method
+        log(INFO, "\t├──> Sites: partitions bound %s", self.sites.map.describe() if not self.sites.trusted_claims
+            else "by each node's own partition-id (nodes made by the federation itself)")
         log(INFO, "\t├──> Method %s: extractor %s, head %s, feature alignment %s", method.name,
             method.extractor.value, method.head.value, method.alignment.value)
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
@@ -245,14 +257,14 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     # ------------------------------------------------------------------ sampling / messages
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        """The connected nodes, once ``min_available_nodes`` are connected.
+        """The connected nodes that are not refused, once ``min_available_nodes`` of them are.
 
         A node that died may never come back: after one round timeout the round goes on with
         the nodes that are there, and its minimum of replies decides whether it counts.
         """
         started = time.monotonic()
         patience = self.discovery_timeout if self.discovery_timeout is not None else float("inf")
-        while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
+        while len(nodes := self._candidates(grid)) < self.min_available_nodes:
             waited = time.monotonic() - started
             if waited >= patience:
                 log(WARNING, "only %d of the %d required nodes connected after %.0fs: going on with them",
@@ -265,21 +277,77 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # not, so the same seed samples the same clients in every run (and after a resume).
         return sorted(nodes, key=lambda n: (n not in self.node_partition, self.node_partition.get(n, 0), n))
 
-    def discover(self, grid: Grid, timeout: float, strict: bool = True) -> dict[int, int]:
-        """Ask connected nodes of unknown partition for it (a query message).
+    def _candidates(self, grid: Grid) -> list[int]:
+        """The connected nodes, less those refused for the whole run."""
+        refused = self.sites.refused
+        return [n for n in grid.get_node_ids() if n not in refused or not refused[n].final]
 
-        Before round 1 (``strict``): learns every node's partition-id, and a client that cannot
-        load its data becomes a clear error before any training. During the run: a node that
-        joined late or restarted (new node id) is identified before it is sent anything, so it
-        gets its own personalized head back; problems are only logged (such a node is
-        identified by its first valid training reply instead).
+    def _bound_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes bound to a partition (the only ones ever sent a model), in
+        partition order."""
+        return [n for n in self._wait_for_nodes(grid) if n in self.node_partition]
+
+    def _identities(self, grid: Grid) -> dict[int, Identity]:
+        """What the SuperLink vouches for about each connected node (nothing when claims are
+        believed: the simulation's nodes have neither names nor keys)."""
+        if self.sites.trusted_claims:
+            return {}
+        return {node.node_id: Identity(node.name, fingerprint(node.public_key)) for node in grid.get_nodes()}
+
+    def _refuse(self, node_id: int, reason: str) -> None:
+        log(WARNING, "Refused node %d: %s. It is sent nothing.", node_id, reason)
+
+    def discover(self, grid: Grid, timeout: float, strict: bool = True) -> dict[int, int]:
+        """Bind connected nodes of unknown partition to one: screen each by its registered
+        identity (``common.sites``), then ask the others for their partition (a query message).
+
+        Before round 1 (``strict``): every node is screened and asked, and a client that cannot
+        load its data becomes a clear error before any training; a node that is refused (its
+        identity serves no partition, or another than it claims) is logged and left out, and
+        the pre-flight waits for ``min_available_nodes`` nodes that are not refused. During
+        the run: a node that joined late or restarted is bound before it is sent anything, so
+        it gets its own personalized head back; problems are only logged.
         """
         self.discovery_timeout = timeout
-        nodes = [n for n in self._wait_for_nodes(grid) if n not in self.node_partition]
-        if not nodes:
-            return dict(self.node_partition)
-        replies, gone = self._query(grid, nodes, timeout)
-        problems = []
+        while True:
+            screened = self._screen(grid)
+            nodes = [n for n in screened if n not in self.node_partition]
+            if not nodes:
+                return dict(self.node_partition)
+            replies, gone = self._query(grid, nodes, timeout)
+            problems, refused = self._bind_answers(grid, replies, strict)
+            for node in gone:  # not a client problem: the federation goes on with the nodes it has
+                log(WARNING, "discovery: node %d went offline before it answered; left out", node)
+            missing = len(nodes) - len(replies) - len(gone)
+            if missing:
+                problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
+            if problems and strict:
+                raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
+            for problem in problems:
+                log(WARNING, "discovery: %s", problem)
+            # a refused node counted towards min_available_nodes: wait for the ones that remain
+            if not (strict and refused):
+                return dict(self.node_partition)
+
+    def _screen(self, grid: Grid) -> list[int]:
+        """The connected nodes whose identity may serve a partition; the others are refused
+        here, before they are sent anything at all (the query included)."""
+        nodes = self._wait_for_nodes(grid)
+        identities = self._identities(grid)
+        kept = []
+        for node in nodes:
+            if node not in self.node_partition and node in identities:
+                refusal = self.sites.screen(node, identities[node], self.num_partitions)
+                if refusal is not None:
+                    self._refuse(node, refusal.reason)
+                    continue
+            kept.append(node)
+        return kept
+
+    def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], strict: bool) -> tuple[list[str], bool]:
+        """Bind each answering node to the partition it claims, where its identity agrees;
+        returns the problems (misconfigured clients) and whether a node was refused."""
+        problems: list[str] = []
         answers: list[tuple[int, ClientInfo]] = []
         for node, reply in replies:
             try:
@@ -290,29 +358,27 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             # Every node partitions the same dataset into the same J parts; the most common
             # answer is the federation's, a node that disagrees is misconfigured.
             self.num_partitions = _most_common([info.num_partitions for _, info in answers])
-        for node, info in answers:
+        identities = self._identities(grid)
+        connected = set(grid.get_node_ids())
+        refused = False
+        for node, info in sorted(answers):
             if info.num_partitions != self.num_partitions:
                 problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
                                 f"is {self.num_partitions}")
                 continue
-            pid = info.partition_id
-            owner = self._node_of(pid)
-            if owner is not None and strict:
-                problems.append(f"node {node}: partition-id {pid} is already taken by node {owner}")
+            identity = identities.get(node, Identity())
+            refusal = self.sites.screen(node, identity, self.num_partitions) or self.sites.bind(
+                node, info.partition_id, identity, connected)
+            if refusal is not None:
+                if self.sites.trusted_claims and strict:  # no identity to tell who is right: stop
+                    problems.append(f"node {node}: {refusal.reason}")
+                else:
+                    self._refuse(node, refusal.reason)
+                refused = True
                 continue
-            self._register(node, pid)
-            log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, pid,
+            log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, info.partition_id,
                 info.num_partitions, info.num_examples, info.test_examples)
-        for node in gone:  # not a client problem: the federation goes on with the nodes it has
-            log(WARNING, "discovery: node %d went offline before it answered; left out", node)
-        missing = len(nodes) - len(replies) - len(gone)
-        if missing:
-            problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
-        if problems and strict:
-            raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
-        for problem in problems:
-            log(WARNING, "discovery: %s", problem)
-        return dict(self.node_partition)
+        return problems, refused
 
     @staticmethod
     def _query(grid: Grid, nodes: list[int], timeout: float) -> tuple[list[tuple[int, Message]], list[int]]:
@@ -353,7 +419,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return replies, gone
 
     def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
-        nodes = self._wait_for_nodes(grid)
+        nodes = self._bound_nodes(grid)
         if full or not nodes:  # no node at all: a round without replies, counted as failed
             return nodes
         size = max(1, int(round(fraction * len(nodes))))
@@ -368,7 +434,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         S_t is drawn over the partitions 0..J-1 (J as the clients report it), so it depends on
         (seed, round) alone, not on node ids or on who happens to be connected.
         """
-        nodes = self._wait_for_nodes(grid)
+        nodes = self._bound_nodes(grid)
         population = self.num_partitions if self.num_partitions is not None else len(nodes)
         self.aggregation_sample = draw_sample(population, self.vem.sampling_rate, self.seed, server_round)
         log(INFO, "round %d: sample S_t = partitions %s", server_round, self.aggregation_sample)
@@ -380,10 +446,6 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         if missing:
             log(WARNING, "round %d: partitions %s of S_t have no connected node", server_round, sorted(missing))
         return chosen
-
-    def _node_of(self, partition_id: int) -> int | None:
-        """The node currently registered for ``partition_id``, if any."""
-        return next((node for node, pid in self.node_partition.items() if pid == partition_id), None)
 
     def head_of(self, node_id: int) -> p.NDArrays:
         """The head for the client on ``node_id``: its personalized head phi^_i (initial if it
@@ -452,8 +514,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         with fused evaluation, the round whose model that is, to evaluate first)."""
         server_round += self.round_offset
         full = self.full_last_round and server_round == self.num_rounds
-        if self.discovery_timeout is not None:  # identify nodes that joined since
-            self.discover(grid, self.discovery_timeout, strict=False)
+        # bind the nodes that joined since (or all of them, without a pre-flight): a node is sent
+        # a model only once it is bound to its partition
+        self.discover(grid, self.discovery_timeout or DISCOVERY_ATTEMPT, strict=False)
         if self.method.aggregates_a_sample:
             node_ids = self._sample_for_aggregation(grid, server_round, full)
         else:
@@ -483,49 +546,40 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         return 2 * model + 65536
 
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
-        """Parse a reply; log and drop it when invalid or when it claims another partition than
-        its node's. Changes nothing: :meth:`_unique` registers the replies it keeps."""
+        """Parse a reply; log and drop it when invalid, when its node is bound to no partition,
+        or when it claims another partition than its node's."""
         node_id = reply_source(msg, destinations(self._sent)) if msg.has_error() else msg.metadata.src_node_id
         size = p.payload_bytes(msg.content) if msg.has_content() else 0
         self._bytes_received[node_id] = self._bytes_received.get(node_id, 0) + size
+        bound = self.node_partition.get(node_id)
         try:
+            if bound is None:  # the strategy sends only bound nodes anything: this was not asked for
+                raise InvalidReply("its node is bound to no partition")
             limit = self.max_reply_bytes()
             if size > limit:  # refused before any of it is decoded
                 raise InvalidReply(f"{size:,} bytes, more than the {limit:,} a reply of this "
                                    "model can need")
             parsed = parse(msg)
         except InvalidReply as err:
-            claimed = self.node_partition.get(node_id, "unknown")
-            log(WARNING, "Rejected reply from node %d (partition %s): %s", node_id, claimed, err)
+            log(WARNING, "Rejected reply from node %d (partition %s): %s", node_id,
+                "unknown" if bound is None else bound, err)
             return None
-        registered = self.node_partition.get(node_id)
-        if registered is not None and registered != parsed.partition_id:
+        if bound != parsed.partition_id:
             log(WARNING, "Rejected reply from node %d (partition %d): it claims partition %d",
-                node_id, registered, parsed.partition_id)
+                node_id, bound, parsed.partition_id)
             return None
         return parsed
 
-    def _unique(self, parsed: list) -> list:
-        """Drop replies whose partition-id appears twice in one round (keep neither), and
-        register the node of every reply kept as its partition's."""
+    @staticmethod
+    def _unique(parsed: list) -> list:
+        """The replies in partition order, those whose partition-id appears twice in one round
+        dropped (keep neither: a node answered twice)."""
         ids = [item.partition_id for item in parsed]
         duplicates = {pid for pid in ids if ids.count(pid) > 1}
         for pid in duplicates:
             log(WARNING, "Rejected all replies claiming partition-id %d: claimed twice this round", pid)
-        kept = sorted((item for item in parsed if item.partition_id not in duplicates),
+        return sorted((item for item in parsed if item.partition_id not in duplicates),
                       key=lambda item: item.partition_id)
-        for item in kept:
-            self._register(item.node_id, item.partition_id)
-        return kept
-
-    def _register(self, node_id: int, partition_id: int) -> None:
-        """``node_id`` serves ``partition_id`` from now on. A restarted SuperNode comes back with
-        a new node id and takes its partition over."""
-        previous = self._node_of(partition_id)
-        if previous is not None and previous != node_id:
-            log(WARNING, "partition-id %d moved from node %d to node %d", partition_id, previous, node_id)
-            del self.node_partition[previous]
-        self.node_partition[node_id] = partition_id
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -91,14 +91,18 @@ class Workstation:
             time.sleep(1)
         raise RuntimeError(f"the SuperLink's Control API is not reachable; flwr's last answer:\n{answer}")
 
-    def register(self, keys: Path, *node_ids: int) -> None:
-        """Register the nodes' public keys, as many ``flwr`` processes at a time as there are
-        cores: each pays the CLI's start-up (2.5 s), 52 s for 20 nodes one after another."""
-        def one(pid: int) -> None:
-            self.flwr("supernode", "register", str(keys / f"supernode-{pid}.pub"), FEDERATION)
+    def register(self, keys: Path, *partitions: int) -> dict[int, int]:
+        """Register the nodes' public keys under their names (``supernode-<i>``, which serves
+        partition i), as many ``flwr`` processes at a time as there are cores: each pays the
+        CLI's start-up (2.5 s), 52 s for 20 nodes one after another. Returns each partition's
+        node id."""
+        def one(pid: int) -> int:
+            out = self.flwr("supernode", "register", str(keys / f"supernode-{pid}.pub"), FEDERATION,
+                            "--name", f"supernode-{pid}", "--format", "json")
+            return int(json.loads(out[out.index("{"):])["node-id"])
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(node_ids), os.cpu_count() or 1))) as pool:
-            list(pool.map(one, node_ids))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(partitions), os.cpu_count() or 1))) as pool:
+            return dict(zip(partitions, pool.map(one, partitions)))
 
     def submit(self, run_config: str) -> str:
         out = self.flwr("run", str(ROOT), FEDERATION, "--format", "json", "--run-config", run_config)
@@ -145,7 +149,7 @@ class Federation(Workstation):
             "--fleet-address", f"{bind}:{self.fleet_port}", "--control-address", f"{bind}:{self.control_port}",
             "--database", database,
         ])
-        self.supernodes: dict[int, subprocess.Popen] = {}
+        self.supernodes: dict[str, subprocess.Popen] = {}
         try:
             self.wait_until_reachable(alive=lambda: self.superlink.poll() is None)
         except RuntimeError as err:
@@ -160,30 +164,56 @@ class Federation(Workstation):
     def read_log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
-    def register(self, *node_ids: int) -> None:  # type: ignore[override]
-        super().register(self.certs / "keys", *node_ids)
+    def register(self, *partitions: int) -> dict[int, int]:  # type: ignore[override]
+        return super().register(self.certs / "keys", *partitions)
 
     def start_node(self, pid: int, *, data_path: Path | None = None, key: int | None = None,
-                   restarts: int = 18, executor: str = "warm", model_dir: Path | None = None) -> subprocess.Popen:
+                   restarts: int = 18, executor: str = "warm", model_dir: Path | None = None,
+                   label: str | None = None) -> subprocess.Popen:
         """SuperNode ``pid`` (authenticating with key ``key``, by default its own), its ClientApp
         run by ``executor`` (``warm`` or Flower's own ``cold``), its model kept in ``model_dir``
-        (default: ``<workdir>/models/client-<pid>``)."""
+        (default: ``<workdir>/models/client-<pid>``); ``label`` (default ``pid``) names its
+        process and its log, ``supernode-<label>.log``, for a second node claiming ``pid``."""
+        label = str(pid) if label is None else label
         key_file = self.certs / "keys" / f"supernode-{pid if key is None else key}"
         command = [str(ROOT / "deploy" / "supernode.sh"), "--superlink", self.fleet_address,
                    "--ca", str(self.certs / "ca.crt"), "--key", str(key_file),
                    "--partition-id", str(pid), "--num-partitions", str(self.num_nodes),
                    "--port", str(free_port()), "--restarts", str(restarts), "--executor", executor,
-                   "--model-dir", str(model_dir or self.workdir / "models" / f"client-{pid}")]
+                   "--model-dir", str(model_dir or self.workdir / "models" / f"client-{label}")]
         if data_path is not None:
             command += ["--data-path", str(data_path)]
-        self.supernodes[pid] = self._spawn(f"node-{pid}", f"supernode-{pid}", command)
-        return self.supernodes[pid]
+        self.supernodes[label] = self._spawn(f"node-{label}", f"supernode-{label}", command)
+        return self.supernodes[label]
 
-    def signal_node(self, pid: int, signum: signal.Signals) -> None:
-        """Signal SuperNode ``pid``'s whole process group (the node and its ClientApp)."""
-        os.killpg(self.supernodes[pid].pid, signum)
+    def nodes(self) -> list[dict]:
+        """``flwr supernode ls``: every registered node with its status and name."""
+        out = self.flwr("supernode", "ls", FEDERATION, "--format", "json")
+        return json.loads(out[out.index("{"):]).get("nodes", [])
+
+    def wait_online(self, count: int, timeout: float = 120) -> float:
+        """Seconds until ``count`` SuperNodes are online at the SuperLink; a SuperNode that
+        exits meanwhile fails with its log."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            result = self.flwr_result("supernode", "ls", FEDERATION, "--format", "json")
+            if result.returncode == 0 and "{" in result.stdout:
+                nodes = json.loads(result.stdout[result.stdout.index("{"):]).get("nodes", [])
+                if sum(node.get("status") == "online" for node in nodes) >= count:
+                    return time.monotonic() - started
+            for label, node in self.supernodes.items():
+                if node.poll() is not None:
+                    raise RuntimeError(f"SuperNode {label} exited ({node.returncode}):\n"
+                                       f"{self.read_log(f'supernode-{label}')[-3000:]}")
+            time.sleep(1.0)
+        raise RuntimeError(f"fewer than {count} SuperNodes online after {timeout:.0f} s")
+
+    def signal_node(self, pid: int | str, signum: signal.Signals) -> None:
+        """Signal SuperNode ``pid``'s (a label) whole process group (the node and its ClientApp)."""
+        node = self.supernodes[str(pid)]
+        os.killpg(node.pid, signum)
         if signum == signal.SIGKILL:
-            self.supernodes[pid].wait()
+            node.wait()
 
     def close(self) -> None:
         processes = [*self.supernodes.values(), self.superlink]

@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, MessageType, RecordDict
+from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
 from flwr.supercore.task_identity import TaskIdentity
 
 import numpy as np
@@ -39,6 +40,7 @@ class InProcessGrid:
         shuffle_replies: bool = False,
         tamper: Callable[[Message, int], Message | None] | None = None,
         crash_at_round: int | None = None,
+        tamper_queries: bool = False,
     ) -> None:
         rng = random.Random(seed)
         self.partition_of_node: dict[int, int] = {}
@@ -56,12 +58,19 @@ class InProcessGrid:
         self.rng = rng
         self.shuffle_replies = shuffle_replies
         self.tamper = tamper
+        self.tamper_queries = tamper_queries  # tamper with pre-flight answers too
         self.crash_at_round = crash_at_round
         self.train_rounds = 0
         self.sent: list[Message] = []
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
+
+    def get_nodes(self) -> list[NodeInfo]:
+        """Each node as a SuperLink with node authentication knows it: registered under the
+        name ``supernode-<i>`` of its partition (what ``deploy/certs.sh register`` does)."""
+        return [NodeInfo(node_id=node, name=f"supernode-{self.partition_of_node[node]}")
+                for node in self.get_node_ids()]
 
     def _deliver(self, msg: Message) -> Message:
         context = self.contexts[msg.metadata.dst_node_id]
@@ -78,7 +87,7 @@ class InProcessGrid:
                 raise RuntimeError(f"simulated server crash in round {self.crash_at_round}")
         self.sent.extend(messages)
         replies = [self._deliver(m) for m in messages]
-        if self.tamper is not None:
+        if self.tamper is not None and (self.tamper_queries or not _queries(messages)):
             replies = [
                 r for r in (self.tamper(reply, self.partition_of_node[reply.metadata.src_node_id]) for reply in replies)
                 if r is not None
@@ -86,6 +95,10 @@ class InProcessGrid:
         if self.shuffle_replies:
             self.rng.shuffle(replies)
         return replies
+
+
+def _queries(messages: list[Message]) -> bool:
+    return bool(messages) and messages[0].metadata.message_type == MessageType.QUERY
 
 
 # Reply tampering for the bad-reply tests: each returns a function that changes a reply in place.

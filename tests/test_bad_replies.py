@@ -12,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from common import protocol as p
 from common.config import parse_run_config
 from common.files import npz_bytes
+from common.sites import SiteRegistry
 from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
 from server_app.app import initial_model
 from server_app.strategy import FedPAC
@@ -209,45 +210,47 @@ def test_a_bad_evaluation_reply_is_rejected(case, caplog):
     assert metrics["num-clients"] == 2
 
 
-def test_two_unregistered_nodes_claiming_one_partition_in_a_round_are_both_rejected(caplog):
+def test_a_training_reply_claiming_another_partition_is_rejected_and_moves_nothing(caplog):
     strategy, arrays = _setup()
 
     def tampering(reply, pid):
-        if pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
+        if pid == BAD:
             reply.content[p.METRICS][p.PARTITION_ID] = 0
         return reply
 
-    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)  # no discovery: nodes are unknown
+    grid = InProcessGrid(RUN_CONFIG, 4, tamper=tampering)  # no pre-flight: the round binds the nodes
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    bound = dict(strategy.node_partition)
+    assert sorted(bound.values()) == [0, 1, 2, 3]
     with caplog.at_level(logging.WARNING):
         _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert "claiming partition-id 0: claimed twice" in caplog.text
-    assert set(strategy.heads) == {2, 3} and metrics["num-replies"] == 2
-    assert sorted(strategy.node_partition.values()) == [2, 3]  # a rejected reply registers nothing
+    assert f"(partition {BAD}): it claims partition 0" in caplog.text
+    assert set(strategy.heads) == {0, 2, 3} and metrics["num-replies"] == 3
+    assert strategy.node_partition == bound
 
 
-def test_a_reply_rejected_as_a_duplicate_changes_no_registration(caplog):
-    """A second live node claims partition 0 (a SuperNode started twice): the pre-flight gives
-    it the partition, both nodes' replies are then rejected, and neither moves the partition."""
+def test_a_second_node_claiming_a_connected_nodes_partition_is_refused_and_sent_nothing(caplog):
+    """A second live node claims partition 0 after the pre-flight (a SuperNode started twice, or
+    one that lies): it is refused while partition 0's node is connected, is sent nothing, and
+    partition 0's node trains as before."""
     strategy, arrays = _setup()
     grid = InProcessGrid(RUN_CONFIG, 3)
     strategy.discover(grid, timeout=60)
     first = next(n for n, pid in grid.partition_of_node.items() if pid == 0)
     grid.contexts[999] = grid.contexts[first]
     grid.partition_of_node[999] = 0
-    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))  # asks node 999 first
-    registered = dict(strategy.node_partition)
-    assert registered.get(999) == 0 and first not in registered
     with caplog.at_level(logging.WARNING):
-        _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert "claiming partition-id 0: claimed twice" in caplog.text and metrics["num-replies"] == 2
-    assert strategy.node_partition == registered
+        messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert "Refused node 999: partition 0 is served by connected node" in caplog.text
+    assert 999 not in {m.metadata.dst_node_id for m in messages} and len(messages) == 3
+    assert strategy.node_partition[first] == 0 and 999 not in strategy.node_partition
+    _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert metrics["num-replies"] == 3 and set(strategy.heads) == {0, 1, 2}
 
 
 PREFLIGHT_PROBLEMS = {
     "missing partition-id": "missing metric 'partition-id'",
     "client error": "disk on fire",
-    "duplicate partition": "already taken",
     "a num-partitions the others do not share": "num-partitions 7, the federation's is 3",
     "a num-partitions past any federation": "is not an integer in [1, 1,000,000]",
 }
@@ -259,8 +262,6 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
         if reply.metadata.message_type == MessageType.QUERY and pid == BAD:
             if problem == "missing partition-id":
                 reply.content[p.METRICS] = MetricRecord({"num-partitions": 4, "num-examples": 60, "test-examples": 30})
-            elif problem == "duplicate partition":
-                reply.content[p.METRICS][p.PARTITION_ID] = 0
             elif problem == "a num-partitions the others do not share":
                 reply.content[p.METRICS]["num-partitions"] = 7
             elif problem == "a num-partitions past any federation":
@@ -270,9 +271,39 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
         return reply
 
     strategy, _ = _setup()
-    grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering, tamper_queries=True)
     expected = PREFLIGHT_PROBLEMS[problem]
     with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{re.escape(expected)}"):
+        strategy.discover(grid, timeout=60)
+
+
+def _claiming_partition_0(reply, pid):
+    if reply.metadata.message_type == MessageType.QUERY and pid == BAD:
+        reply.content[p.METRICS][p.PARTITION_ID] = 0
+    return reply
+
+
+def test_a_preflight_claim_its_identity_denies_is_refused_and_the_others_start(caplog):
+    """With node identities (a deployment), the node registered as supernode-1 that claims
+    partition 0 is refused and sent nothing more; the run starts with the others."""
+    cfg = parse_run_config(RUN_CONFIG)
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    strategy = FedPAC(initial_head=head, num_rounds=2, sites=SiteRegistry())
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=_claiming_partition_0, tamper_queries=True)
+    with caplog.at_level(logging.WARNING):
+        bound = strategy.discover(grid, timeout=60)
+    assert sorted(bound.values()) == [0, 2]
+    assert "it claims partition 0, its identity (name 'supernode-1') serves partition 1" in caplog.text
+
+
+def test_a_duplicate_preflight_claim_without_identities_stops_the_run():
+    """Where claims are all there is (the simulation, partition-map = 'claims'), two nodes
+    claiming one partition is a misconfiguration nobody can settle: the run does not start."""
+    cfg = parse_run_config(RUN_CONFIG)
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    strategy = FedPAC(initial_head=head, num_rounds=2)  # claims believed: the default
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=_claiming_partition_0, tamper_queries=True)
+    with pytest.raises(RuntimeError, match="not ready to train(.|\n)*partition 0 is served by connected node"):
         strategy.discover(grid, timeout=60)
 
 

@@ -521,6 +521,21 @@ def test_a_deployed_server_seals_what_it_sends_and_opens_replies_and_refuses_a_b
     assert not ResponsiveGrid(InMemoryGrid.__new__(InMemoryGrid)).seal  # the simulation's grid
 
 
+def test_a_sealed_reply_larger_than_any_reply_can_be_is_refused_before_it_is_parsed(monkeypatch):
+    big = Message(protocol.seal(_train_content()), dst_node_id=1, message_type="train")
+    size = protocol.payload_bytes(big.content)
+    parsed = []
+    unseal = protocol.unseal
+    monkeypatch.setattr(protocol, "unseal", lambda content: parsed.append(content) or unseal(content))
+    grid = ResponsiveGrid(_Deployment([big]), reply_limit=lambda: size - 1)
+    (refused,) = grid.pull_messages(["0"])
+    assert refused.has_error() and f"{size:,} bytes, more than the {size - 1:,}" in refused.error.reason
+    assert "refused before any of it was decoded" in refused.error.reason and parsed == []
+    grid.reply_limit = lambda: size  # at the limit: opened
+    (opened,) = grid.pull_messages(["0"])
+    assert not opened.has_error() and len(parsed) == 1
+
+
 def test_the_client_app_answers_a_sealed_message_with_a_sealed_reply_and_a_plain_one_plainly():
     seen: list[RecordDict] = []
 

@@ -116,8 +116,9 @@ def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
     cfg = parse_run_config(RUN_CONFIG)
     strategy, arrays = _strategy(cfg)
     grid = InProcessGrid(RUN_CONFIG, 5, tamper=tamper)
+    strategy.discover(grid, timeout=60)
     bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == 3)
-    grid.contexts[bad_node].node_config["partition-id"] = 99  # raises in the ClientApp
+    grid.contexts[bad_node].node_config["partition-id"] = 99  # from now on raises in the ClientApp
     with caplog.at_level(logging.WARNING):
         _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
     assert new_arrays is not None and metrics["num-replies"] == 2
@@ -256,7 +257,7 @@ def test_discovery_asks_again_a_node_whose_query_was_lost(monkeypatch, caplog):
 
     cfg = parse_run_config(RUN_CONFIG)
     strategy, _ = _strategy(cfg)
-    grid = InProcessGrid(RUN_CONFIG, 3, tamper=lose_partition_1_once)
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=lose_partition_1_once, tamper_queries=True)
     with caplog.at_level(logging.WARNING):
         assert sorted(strategy.discover(grid, timeout=60).values()) == [0, 1, 2]
     assert lost and "asking them again" in caplog.text

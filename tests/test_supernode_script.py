@@ -237,3 +237,12 @@ def test_no_restarts_means_no_restart(site):
     result = run(site, base_args(site, restarts="0"), plan="busy")
     assert result.returncode == 1 and starts(site) == 1, result.stderr
     assert "Failed to activate SuperNode" in result.stderr
+
+
+def test_a_node_that_ends_by_itself_is_not_restarted_and_the_site_is_told_why(site):
+    """Flower's SuperNode stops itself (status 0) when the SuperLink refuses its key, as after
+    `flwr supernode unregister`: the script says so once and does not start it again."""
+    result = run(site, base_args(site, restarts="5"), plan="ok")
+    assert result.returncode == 0
+    assert result.stderr.count("no longer accepts this node's key") == 1
+    assert "restart" not in result.stderr.replace("not restarting", "")

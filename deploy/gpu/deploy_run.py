@@ -148,23 +148,6 @@ def device_info(device: str) -> dict:
     return info
 
 
-def wait_online(federation: Federation, count: int, timeout: float) -> float:
-    """Seconds until ``count`` SuperNodes are online at the SuperLink."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        result = federation.flwr_result("supernode", "ls", FEDERATION, "--format", "json")
-        if result.returncode == 0 and "{" in result.stdout:
-            nodes = json.loads(result.stdout[result.stdout.index("{"):]).get("nodes", [])
-            if sum(node.get("status") == "online" for node in nodes) >= count:
-                return time.monotonic() - started
-        for pid, node in federation.supernodes.items():
-            if node.poll() is not None:
-                raise RuntimeError(f"SuperNode {pid} exited ({node.returncode}):\n"
-                                   f"{federation.read_log(f'supernode-{pid}')[-3000:]}")
-        time.sleep(1.0)
-    raise RuntimeError(f"fewer than {count} SuperNodes online after {timeout:.0f} s")
-
-
 def archive_logs(work: Path, out: Path, extra: dict[str, str]) -> None:
     """The federation's logs and the run's outputs (rounds.csv, metrics.json, ...) in one file."""
     with tarfile.open(out / "deployment-logs.tar.gz", "w:gz") as tar:
@@ -252,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901  # one linear proc
         federation.register(*range(args.clients))
         for pid in range(args.clients):
             federation.start_node(pid, data_path=data / f"client-{pid}")
-        result["nodes_online_seconds"] = wait_online(federation, args.clients, max(60.0, deadline - time.monotonic()))
+        result["nodes_online_seconds"] = federation.wait_online(args.clients, max(60.0, deadline - time.monotonic()))
         time.sleep(args.settle)
         result["setup_seconds"] = time.monotonic() - started
         print(f"{args.clients} SuperNodes online after {result['nodes_online_seconds']:.1f} s", flush=True)

@@ -1,0 +1,172 @@
+"""Attacks on a real deployment's trust: a localhost TLS + SuperNode-authentication federation
+started with deploy/superlink.sh and deploy/supernode.sh, driven by `flwr run`.
+
+* Enrolled rogue nodes (their keys registered, so the SuperLink lets them in) claim site 0's
+  partition, one at the pre-flight and one in the middle of the run: they receive nothing, save
+  nothing, and the run ends with the same final model as without them, bit for bit.
+* A revoked node (`flwr supernode unregister`) is refused from its next request on; the run
+  goes on with the others.
+* The Control API, which runs code at every site, listens on this host only unless told not to.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.deployment import (
+    FEDERATION,
+    ROOT,
+    SMALL,
+    Federation,
+    Workstation,
+    create_certificates,
+    rounds_of,
+    run_dir,
+    wait_for_rounds,
+)
+
+pytestmark = pytest.mark.e2e
+
+SITES = (0, 1)
+ROGUES = (2, 3)  # enrolled keys, registered as supernode-2 and supernode-3: no partition of a 2-site run
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    work = tmp_path_factory.mktemp("federation")
+    fed = Federation(work, create_certificates(work / "certs", len(SITES) + len(ROGUES)), num_nodes=len(SITES))
+    fed.node_ids = fed.register(*SITES, *ROGUES)
+    for pid in SITES:
+        fed.start_node(pid)
+    fed.wait_online(len(SITES))
+    yield fed
+    fed.close()
+
+
+def _run(federation: Federation, out: Path, rounds: int, extra: str = "min-available-clients=2") -> str:
+    return federation.submit(f"{SMALL} num-server-rounds={rounds} output-dir='{out}' {extra}")
+
+
+def _final_state(out: Path) -> dict[str, np.ndarray]:
+    with np.load(run_dir(out) / "final_state.npz") as saved:
+        return {key: saved[key] for key in saved.files}
+
+
+def _trained_partitions(out: Path) -> dict[int, set[str]]:
+    rows = csv.DictReader((run_dir(out) / "clients.csv").open())
+    trained: dict[int, set[str]] = {}
+    for row in rows:
+        trained.setdefault(int(row["round"]), set()).add(row["partition_id"])
+    return trained
+
+
+def test_enrolled_rogue_nodes_claiming_site_0_get_nothing_and_change_nothing(federation, tmp_path):
+    rounds = 8
+    honest = tmp_path / "honest"
+    run_id = _run(federation, honest, rounds)
+    assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+
+    # (a) a rogue online at the pre-flight, claiming partition 0 with its own enrolled key
+    federation.start_node(0, key=ROGUES[0], label="rogue-pre", model_dir=tmp_path / "rogue-pre", restarts=0)
+    federation.wait_online(len(SITES) + 1)
+    attacked = tmp_path / "attacked"
+    run_id = _run(federation, attacked, rounds)
+    # (b) a second one joining in the middle of the run, claiming partition 0 too
+    wait_for_rounds(attacked, 2)
+    federation.start_node(0, key=ROGUES[1], label="rogue-mid", model_dir=tmp_path / "rogue-mid", restarts=0)
+    assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    log = federation.log(run_id)
+
+    # both were refused by identity, named in the ServerApp's log
+    for rogue in ROGUES:
+        assert f"Refused node {federation.node_ids[rogue]}: its identity (name 'supernode-{rogue}'" in log, log[-3000:]
+    assert rounds_of(attacked)[-1]["round"] == str(rounds)
+    # the rogue that joined mid-run was there while rounds were still to come
+    refused_mid = log.index(f"Refused node {federation.node_ids[ROGUES[1]]}")
+    assert f"Round {rounds}: mean personalized accuracy" in log[refused_mid:]
+    # the honest sites trained and were evaluated every round
+    assert all(int(r["num_trained"]) == 2 and int(r["num_evaluated"]) == 2 for r in rounds_of(attacked))
+    assert _trained_partitions(attacked) == {r: {"0", "1"} for r in range(1, rounds + 1)}
+    # the rogues received nothing of any partition and saved nothing: before anyone answered
+    # the pre-flight, the federation's size was unknown, so the first could only be refused
+    # after its answer to the query (a round number, nothing else); the second was refused by
+    # its identity alone and received no message at all
+    assert "Receiving: query message" in federation.read_log("supernode-rogue-pre")
+    assert not any(f"Receiving: {kind} message" in federation.read_log("supernode-rogue-pre")
+                   for kind in ("train", "evaluate"))
+    assert "[RUN " not in federation.read_log("supernode-rogue-mid")
+    for label in ("rogue-pre", "rogue-mid"):
+        assert not any((tmp_path / label).iterdir())
+    # the same final model, bit for bit, as the run without them
+    with_rogues, without = _final_state(attacked), _final_state(honest)
+    assert with_rogues.keys() == without.keys()
+    for key, value in without.items():
+        np.testing.assert_array_equal(with_rogues[key], value, err_msg=key)
+    for label in ("rogue-pre", "rogue-mid"):
+        federation.supernodes.pop(label).terminate()
+
+
+def test_a_revoked_node_is_refused_from_its_next_request_and_the_run_goes_on(federation, tmp_path):
+    out = tmp_path / "out"
+    run_id = _run(federation, out, 12, "min-available-clients=1 round-timeout=60")
+    wait_for_rounds(out, 2)
+    federation.flwr("supernode", "unregister", str(federation.node_ids[1]), FEDERATION)
+    assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    rows = rounds_of(out)
+    assert int(rows[-1]["num_trained"]) == 1 and int(rows[-1]["num_evaluated"]) == 1
+    assert _trained_partitions(out)[12] == {"0"}
+    status = {node["node-id"]: node["status"] for node in federation.nodes()}
+    assert status[str(federation.node_ids[1])] == "unregistered"
+    # the node itself was turned away: Flower's SuperNode stops itself when its key is refused,
+    # and the site's script says what that means instead of restarting it
+    assert federation.supernodes["1"].wait(timeout=120) == 0
+    assert "no longer accepts this node's key" in federation.read_log("supernode-1")
+
+
+def test_the_control_api_listens_on_this_host_only_by_default(tmp_path):
+    """superlink.sh without --control-address: the Control API (9093) is bound to 127.0.0.1,
+    the Fleet API (9092) to every interface, for the sites."""
+    certs = create_certificates(tmp_path / "certs", 1)
+    env = Workstation(tmp_path / "home", "127.0.0.1:9093", certs / "ca.crt").env
+    superlink = subprocess.Popen([str(ROOT / "deploy" / "superlink.sh"), "--certs", str(certs),
+                                  "--state", str(tmp_path / "state"), "--database", "memory"],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+    try:
+        Workstation(tmp_path / "home", "127.0.0.1:9093", certs / "ca.crt").wait_until_reachable(
+            alive=lambda: superlink.poll() is None)
+        listening = _listening_addresses()
+        assert listening.get(9093) == {"127.0.0.1"}, listening
+        assert listening.get(9092, set()) & {"0.0.0.0", "::"}, listening
+    finally:
+        subprocess.run(["pkill", "-TERM", "-g", str(superlink.pid)], check=False)
+        superlink.wait(timeout=30)
+
+
+def _listening_addresses() -> dict[int, set[str]]:
+    """Port -> the addresses sockets listen on (``::`` for IPv6's any), from /proc/net/tcp and
+    tcp6 (state 0A: LISTEN)."""
+    listening: dict[int, set[str]] = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":
+                continue
+            address, port = local.split(":")
+            listening.setdefault(int(port, 16), set()).add(_readable(address))
+    return listening
+
+
+def _readable(address: str) -> str:
+    if len(address) == 8:  # IPv4, little-endian
+        return ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    if int(address, 16) == 0:
+        return "::"
+    if address == "00000000000000000000000001000000":
+        return "::1"
+    return address
