@@ -10,9 +10,13 @@
 #                       without it the node trains on slice I of the run's dataset (demos)
 #     --model-dir DIR   where this site keeps its personalized model (default: ./fedpac-model)
 #     --port            local port of the SuperNode's runtime API for its ClientApp (127.0.0.1)
-#     --executor KIND   warm (default): deploy/warm_executor.py runs every message in one
-#                       long-lived process per run, and the node looks for messages every
-#                       0.5 s (deploy/fast_supernode.py); cold: Flower's own SuperNode and
+#     --executor KIND   warm (default): deploy/warm_executor.py runs every message of a run in
+#                       that run's own long-lived process, never shared with another run and
+#                       ended with the run: when a message of another run comes, or after
+#                       FEDPAC_WORKER_IDLE_TIMEOUT seconds without one (default 300; 0: never);
+#                       `flwr stop` lets a message that is running finish, and its reply is
+#                       dropped. The node looks for messages every 0.5 s
+#                       (deploy/fast_supernode.py). cold: Flower's own SuperNode and
 #                       executor, unchanged (a process per message, 3 s between looks)
 #     --restarts K      start flower-supernode again after a failure that can heal, up to K
 #                       times (default 18: covers the case below; 0 to fail at once)

@@ -5,8 +5,9 @@ Flower 1.39's ``flower-superexec`` starts a fresh ``flwr-clientapp`` process for
 SuperNode receives; each one imports torch and Flower again and loads the node's data again
 (about 5 s on a 2-core CPU, before any training; on a GPU it would also initialise CUDA again).
 This executor takes the SuperExec's place (``flower-supernode --isolation process``) and hands
-every task to a long-lived worker process that keeps the ClientApp, torch, the CUDA context and
-the node's decoded data resident, the way the simulation's Ray actors do.
+every task of a run to that run's own long-lived worker process, which keeps the ClientApp,
+torch, the CUDA context and the node's decoded data resident for the run, the way the
+simulation's Ray actors do.
 
 What stays as in Flower:
 
@@ -14,11 +15,35 @@ What stays as in Flower:
   (HMAC), and each task runs with its own one-time token: pull the message, context, run and FAB,
   call the ClientApp, push the reply and the task's status, heartbeats while it runs;
 * the ClientApp code is the run's FAB, installed under ``$FLWR_HOME`` like ``flwr-clientapp``
-  does; a worker serves one FAB (one app version), so a new run with other code gets a new
-  worker, and idle workers of older FABs are stopped;
+  does;
 * the worker is this executor's child, reached only through an inherited pipe (no socket);
 * a ClientApp that raises becomes an error reply, exactly as in ``flwr-clientapp``; a worker
-  that dies (killed, out of memory) is replaced for the next task.
+  that dies (killed, out of memory) is replaced for the run's next task.
+
+What is per run: a worker serves exactly one run (run id and FAB hash) and never another, so two
+runs never share module globals, cached data tensors (a site that replaced its data files
+between two runs with the same run config trains the second on the new files) or a CUDA
+context. A worker ends with its run. The SuperNode is never told that a run ended (Flower's
+SuperNode learns that a run is no longer running only when it sends a reply of it to the
+SuperLink, and tells its executor nothing), so "ended" is what this executor sees: a task of
+another run arrives (the idle workers of other runs are stopped then), or the run has had no task
+for ``--run-idle-timeout`` seconds (default 300; its worker is stopped from the serve loop, so
+that a finished run does not hold the site's memory, data and GPU). A run whose messages come
+further apart than that gets a new worker for the next one: correct, since a worker only caches
+what the run's messages and the node's files give it, but it pays the app and data loading again.
+
+``flwr stop`` does not reach a task that is running: Flower's SuperNode goes on acknowledging the
+task's heartbeats (nothing in its Runtime API knows the run's status), so the ClientApp call runs
+to its end; the SuperNode drops the reply when it sends it to the SuperLink ("not in `RUNNING`
+status. Ignoring reply message"), and the worker goes with the idle timeout or another run's
+task. Whether the worker's push of that reply fails depends on a race (it fails when the
+SuperNode dropped the reply's header while the worker still pushed its arrays, and a push also
+fails for other reasons), so neither a heartbeat nor a push gives a clean signal that the run
+was stopped: the idle timeout covers a stopped run like a finished one.
+
+One standby worker (torch imported, no app, no data) is started ahead, so that a run's first
+message does not pay the imports; it is started again after a run's worker was stopped, and
+there is never more than one.
 
 Run it next to a SuperNode started with ``--isolation process`` (``deploy/supernode.sh`` does)::
 
@@ -40,12 +65,13 @@ import argparse
 import contextlib
 import fcntl
 import importlib
+import math
 import multiprocessing
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from multiprocessing.connection import Connection
@@ -167,8 +193,11 @@ class WorkerOptions:
 
 
 def _heartbeat_fn(client: RuntimeHttpClient):  # noqa: ANN202
-    """Flower's task heartbeat, except that a refused heartbeat ends the task, not the worker
-    (``flwr-clientapp`` raises SIGINT, which here would stop every later task too)."""
+    """Flower's task heartbeat, except that a refused one raises no SIGINT (``flwr-clientapp``
+    does, which here would end the worker and every later task of its run): it is retried like a
+    failed one until the task ends. A refusal says that the SuperNode no longer holds the task
+    (finished, or its token expired), not that its run was stopped: the SuperNode goes on
+    acknowledging the tasks of a run stopped with ``flwr stop``."""
     request = SendTaskHeartbeatRequest()
 
     def send() -> bool:
@@ -181,7 +210,8 @@ def _heartbeat_fn(client: RuntimeHttpClient):  # noqa: ANN202
 
 
 class TaskRunner:
-    """Runs ClientApp tasks one after another in this process, the app loaded once per FAB."""
+    """Runs ClientApp tasks one after another in this process (the tasks of one run), the app
+    loaded at the first."""
 
     def __init__(self, endpoint: RuntimeEndpoint, slots: HostSlots = HostSlots()) -> None:
         self.endpoint = endpoint
@@ -256,17 +286,38 @@ def worker_main(connection: Connection, endpoint: RuntimeEndpoint, options: Work
 # ---------------------------------------------------------------------------- executor side
 
 
-class Worker:
-    """A worker process for one FAB, and the pipe to it."""
+@dataclass(frozen=True)
+class RunKey:
+    """What a worker serves: one run, with its app version; never another."""
 
-    def __init__(self, fab_hash: str, endpoint: RuntimeEndpoint, options: WorkerOptions) -> None:
+    run_id: int
+    fab_hash: str
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} (FAB {self.fab_hash[:8]})"
+
+
+# A worker process's body: (pipe, endpoint, options, executor pid), as ``worker_main``.
+WorkerMain = Callable[[Connection, RuntimeEndpoint, WorkerOptions, int], None]
+
+
+class Worker:
+    """A worker process and the pipe to it. ``run_key``: the run it serves, None while it is the
+    standby (preloaded, no app, no data); ``last_task``: when its last task ended, or when it got
+    its run."""
+
+    def __init__(self, endpoint: RuntimeEndpoint, options: WorkerOptions, main: WorkerMain = worker_main) -> None:
         context = multiprocessing.get_context("spawn")  # no inherited threads or locks
-        self.fab_hash = fab_hash
+        self.run_key: RunKey | None = None
+        self.last_task = time.monotonic()
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, endpoint, options, os.getpid()),
+        self.process = context.Process(target=main, args=(child, endpoint, options, os.getpid()),
                                        daemon=True, name="clientapp-worker")
         self.process.start()
         child.close()
+
+    def serve(self, run_key: RunKey) -> None:
+        self.run_key, self.last_task = run_key, time.monotonic()
 
     def run(self, token: str) -> str | None:
         """Hand a task over and wait for it; None when the worker died on it."""
@@ -278,9 +329,11 @@ class Worker:
             return str(self.connection.recv())
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return None
+        finally:
+            self.last_task = time.monotonic()
 
     def stop(self) -> None:
-        self.connection.close()
+        self.connection.close()  # the worker's loop ends at its next read
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
@@ -288,68 +341,130 @@ class Worker:
 
 
 class WarmExecutor:
-    """Acquires the SuperNode's ClientApp tasks and runs them in warm workers, one per FAB."""
+    """Acquires the SuperNode's ClientApp tasks and runs each in its run's warm worker.
 
-    def __init__(self, endpoint: RuntimeEndpoint, secret: bytes | None, poll_interval: float,
-                 options: WorkerOptions = WorkerOptions()) -> None:
+    Tasks run one at a time: ``step`` hands a task to its worker and waits for its status before
+    it asks for the next. Every worker but the current task's is therefore idle, and stopping the
+    workers of other runs when a task arrives never cuts a task short. The cost is with two runs
+    that interleave at one site (two runs at once on the SuperLink, both sending messages to this
+    node): each switch of run stops the other run's worker and gives this run a new one, so every
+    message after a switch loads the app and the data again (the standby has done the imports,
+    and the next standby's imports run beside it), as with Flower's own process per message,
+    instead of once per run.
+    """
+
+    def __init__(self, client: RuntimeHttpClient, endpoint: RuntimeEndpoint, poll_interval: float,
+                 options: WorkerOptions = WorkerOptions(), idle_timeout: float = 300,
+                 main: WorkerMain = worker_main) -> None:
+        self.client = client
         self.endpoint = endpoint
         self.poll_interval = poll_interval
         self.options = options
-        interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
-        if secret:
-            interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret,
-                                                             protected_methods=_SUPEREXEC_AUTH_METHODS))
-        self.client = endpoint.client(*interceptors)
-        self.workers: dict[str, Worker] = {}
-        # One worker started ahead, importing the preload modules while the node waits for work;
-        # the first app version to arrive takes it.
-        self.standby: Worker | None = self._start_worker("")
+        self.idle_timeout = idle_timeout  # seconds without a task before a run's worker stops; 0: never
+        self.main = main
+        self.workers: dict[RunKey, Worker] = {}
+        # Started ahead, importing the preload modules while the node waits for work; the next new
+        # run takes it.
+        self.standby: Worker | None = None
+        self.standby_due = False
+        self._start_standby()
 
-    def _start_worker(self, fab_hash: str) -> Worker:
-        return Worker(fab_hash, self.endpoint, self.options)
+    def _start_standby(self) -> None:
+        if self.standby is not None and not self.standby.process.is_alive():
+            log(WARNING, "Standby ClientApp worker (pid %d) died (exit code %s)", self.standby.process.pid,
+                self.standby.process.exitcode)
+            self.standby.stop()
+            self.standby = None
+        if self.standby is None:
+            self.standby = Worker(self.endpoint, self.options, self.main)
+            log(INFO, "Standby ClientApp worker (pid %d) started", self.standby.process.pid)
+        self.standby_due = False
 
-    def worker_for(self, fab_hash: str) -> Worker:
-        worker = self.workers.get(fab_hash)
-        if worker is None or not worker.process.is_alive():
-            if worker is not None:
-                log(WARNING, "ClientApp worker for FAB %s died (exit code %s); starting a new one",
-                    fab_hash[:8], worker.process.exitcode)
-            if self.standby is not None and self.standby.process.is_alive():
-                worker, self.standby = self.standby, None
-                worker.fab_hash = fab_hash
-            else:
-                worker = self._start_worker(fab_hash)
-            self.workers[fab_hash] = worker
-            log(INFO, "ClientApp worker (pid %d) serves FAB %s", worker.process.pid, fab_hash[:8])
-        self._retire_old(keep=fab_hash)
+    def _new_worker(self) -> Worker:
+        """The standby if it is alive, else a fresh worker (which pays the imports)."""
+        worker, self.standby = self.standby, None
+        if worker is not None and worker.process.is_alive():
+            return worker
+        if worker is not None:
+            worker.stop()
+        return Worker(self.endpoint, self.options, self.main)
+
+    def worker_for(self, run_key: RunKey) -> Worker:
+        for other in [key for key in self.workers if key != run_key]:
+            self.retire(other, f"a task of {run_key} arrived")
+        worker = self.workers.get(run_key)
+        if worker is not None and not worker.process.is_alive():
+            log(WARNING, "ClientApp worker (pid %d) of %s died (exit code %s); starting a new one",
+                worker.process.pid, run_key, worker.process.exitcode)
+            self.workers.pop(run_key).stop()
+            worker = None
+        if worker is None:
+            worker = self.workers[run_key] = self._new_worker()
+            worker.serve(run_key)
+            log(INFO, "ClientApp worker (pid %d) serves %s", worker.process.pid, run_key)
         return worker
 
-    def _retire_old(self, keep: str) -> None:
-        """Stop the workers of other FABs (idle: tasks run one at a time), so that an old run's
-        app leaves memory."""
-        for fab_hash in [h for h in self.workers if h != keep]:
-            self.workers.pop(fab_hash).stop()
+    def retire(self, run_key: RunKey, reason: str) -> None:
+        """Stop ``run_key``'s worker (idle: tasks run one at a time), so that the run's app, data
+        and CUDA context leave the site, and have a standby ready for the next run."""
+        worker = self.workers.pop(run_key)
+        worker.stop()
+        log(INFO, "ClientApp worker (pid %d) of %s stopped: %s", worker.process.pid, run_key, reason)
+        self.standby_due = True
+
+    def retire_idle(self) -> None:
+        """Stop the workers whose run has had no task for ``idle_timeout`` seconds."""
+        if self.idle_timeout <= 0:
+            return
+        now = time.monotonic()
+        for run_key in [key for key, worker in self.workers.items() if now - worker.last_task >= self.idle_timeout]:
+            self.retire(run_key, f"no task for {self.idle_timeout:g} s")
 
     def step(self) -> bool:
         """Acquire and run at most one task; True when one ran."""
         response = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
         if not (response.HasField("task") and response.token):
             return False
-        status = self.worker_for(response.task.fab_hash).run(response.token)
+        status = self.worker_for(RunKey(response.task.run_id, response.task.fab_hash)).run(response.token)
         if status is None:
             log(ERROR, "ClientApp worker died while running task %d; the task expires, the next "
                 "one gets a new worker", response.task.task_id)
         return True
 
+    def tend(self) -> None:
+        """Between tasks: stop the workers of runs gone idle, and start the standby that a stopped
+        worker made due. When a task of a new run stopped the old run's worker, the standby starts
+        here, after that task, so that its imports do not slow the new run's first message."""
+        self.retire_idle()
+        if self.standby_due:
+            self._start_standby()
+
     def serve(self) -> None:
         try:
             while True:
-                if not self.step():
+                ran = self.step()
+                self.tend()
+                if not ran:
                     time.sleep(self.poll_interval)
         finally:
-            for worker in [*self.workers.values(), *([self.standby] if self.standby else [])]:
-                worker.stop()
-            self.client.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop every worker, the standby too, and close the client."""
+        for worker in [*self.workers.values(), *([self.standby] if self.standby else [])]:
+            worker.stop()
+        self.workers, self.standby = {}, None
+        self.client.close()
+
+
+def runtime_client(endpoint: RuntimeEndpoint, secret: bytes | None) -> RuntimeHttpClient:
+    """The executor's own client of the Runtime API: the SuperExec's, signing the methods that the
+    SuperNode guards with the shared secret."""
+    interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+    if secret:
+        interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret,
+                                                         protected_methods=_SUPEREXEC_AUTH_METHODS))
+    return endpoint.client(*interceptors)
 
 
 def _exit_with_parent(parent_pid: int, direct: bool = False) -> None:
@@ -399,13 +514,29 @@ def parser() -> argparse.ArgumentParser:
                      default=Path(os.environ.get("FEDPAC_HOST_SLOTS_DIR", "/tmp/fedpac-host-slots")),
                      help="folder of the host's slot files, shared by its executors "
                           "(default /tmp/fedpac-host-slots; env FEDPAC_HOST_SLOTS_DIR)")
+    cli.add_argument("--run-idle-timeout", default=os.environ.get("FEDPAC_WORKER_IDLE_TIMEOUT", "300"),
+                     help="seconds without a task of its run after which a run's worker stops and leaves "
+                          "the site's memory, data and GPU (default 300, 0: never; env FEDPAC_WORKER_IDLE_TIMEOUT)")
     return cli
+
+
+def idle_timeout_of(value: str) -> float:
+    """``--run-idle-timeout`` in seconds, or exit naming the option and its environment variable."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        sys.exit(f"warm_executor: --run-idle-timeout (env FEDPAC_WORKER_IDLE_TIMEOUT) must be 0 (never) or a "
+                 f"number of seconds, got {value!r}")
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if not 0.01 <= args.poll_interval <= 60:
         sys.exit(f"warm_executor: --poll-interval must be between 0.01 and 60 s, got {args.poll_interval}")
+    idle_timeout = idle_timeout_of(args.run_idle_timeout)
     endpoint = RuntimeEndpoint(
         args.runtime_api_address,
         args.insecure,
@@ -418,8 +549,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"warm_executor: --host-slots must be 0 (no limit) or more, got {args.host_slots}")
     options = WorkerOptions(tuple(name.strip() for name in args.preload.split(",") if name.strip()),
                             max(0, args.worker_nice), HostSlots(args.slots_dir, args.host_slots))
-    WarmExecutor(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file), args.poll_interval,
-                 options).serve()
+    client = runtime_client(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file))
+    WarmExecutor(client, endpoint, args.poll_interval, options, idle_timeout).serve()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,15 @@ def free_port() -> int:
             return port
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (reaped, or a zombie not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return any(line.startswith("State:") and "Z" in line for line in status)
+    except FileNotFoundError:
+        return True
+
+
 def create_certificates(directory: Path, num_nodes: int, *sans: str) -> Path:
     subprocess.run(
         ["bash", str(ROOT / "deploy" / "certs.sh"), "create", "--out", str(directory),

@@ -31,7 +31,7 @@ from common.data import DATASET_NORMALIZATION, DataError, load_embedded_mnist, n
 from common import protocol
 from common.model import FedPACNet
 from server_app.grid import ResponsiveGrid
-from tests.deployment import ROOT
+from tests.deployment import ROOT, process_gone
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import fast_supernode  # noqa: E402  pylint: disable=wrong-import-position
@@ -554,14 +554,6 @@ def test_the_client_app_answers_a_sealed_message_with_a_sealed_reply_and_a_plain
         assert dict(back[protocol.METRICS]) == {"accuracy": 0.5}
 
 
-def _process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            return any(line.startswith("State:") and "Z" in line for line in status)  # exited, not reaped
-    except FileNotFoundError:
-        return True
-
-
 def test_a_worker_whose_executor_died_exits_even_in_the_middle_of_a_task(tmp_path):
     # An executor killed while its worker runs a task (here: one that never ends) has no time to
     # stop the worker; before, such workers lived on with their memory and host slots.
@@ -586,9 +578,9 @@ def test_a_worker_whose_executor_died_exits_even_in_the_middle_of_a_task(tmp_pat
         executor.kill()  # the worker may still be starting: it must go all the same
         executor.wait()
         deadline = time.monotonic() + 10
-        while not _process_gone(worker) and time.monotonic() < deadline:
+        while not process_gone(worker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _process_gone(worker)
+        assert process_gone(worker)
     finally:
         executor.kill()
 
