@@ -112,10 +112,10 @@ class PartitionMap:
 
     def describe(self) -> str:
         if self.trust_claims:
-            return "every node's own partition-id is believed (partition-map = 'claims')"
+            return "each node's own partition-id (partition-map = 'claims': no identities)"
         if self.entries:
-            return f"by registered identity, from partition-map ({len(self.entries)} sites)"
-        return "by registered name: supernode-<i> serves partition i"
+            return f"registered identity, from partition-map ({len(self.entries)} sites)"
+        return "registered name: supernode-<i> serves partition i"
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,12 @@ class SiteRegistry:
         self.trusted_claims = trusted_claims or self.map.trust_claims
         self.node_partition: dict[int, int] = {}
         self.refused: dict[int, Refusal] = {}
+
+    def describe(self) -> str:
+        """What binds a node to its partition, for the log."""
+        if self.trusted_claims and not self.map.trust_claims:
+            return "each node's own partition-id (nodes the federation made itself)"
+        return self.map.describe()
 
     def node_of(self, partition_id: int) -> int | None:
         """The node bound to ``partition_id``, if any."""

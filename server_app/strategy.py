@@ -214,8 +214,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def summary(self) -> None:
         """Log the strategy's configuration."""
         method = self.method
-        log(INFO, "\t├──> Sites: partitions bound %s", self.sites.map.describe() if not self.sites.trusted_claims
-            else "by each node's own partition-id (nodes made by the federation itself)")
+        log(INFO, "\t├──> Sites: partitions bound by %s", self.sites.describe())
         log(INFO, "\t├──> Method %s: extractor %s, head %s, feature alignment %s", method.name,
             method.extractor.value, method.head.value, method.alignment.value)
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
@@ -336,7 +335,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         identities = self._identities(grid)
         kept = []
         for node in nodes:
-            if node not in self.node_partition and node in identities:
+            if node not in self.node_partition and not self.sites.trusted_claims:
+                if node not in identities:  # connected after the list was read: next time
+                    continue
                 refusal = self.sites.screen(node, identities[node], self.num_partitions)
                 if refusal is not None:
                     self._refuse(node, refusal.reason)
@@ -367,6 +368,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                                 f"is {self.num_partitions}")
                 continue
             identity = identities.get(node, Identity())
+            if node not in identities and not self.sites.trusted_claims:
+                continue  # gone from the SuperLink's list since it answered: asked again next round
             refusal = self.sites.screen(node, identity, self.num_partitions) or self.sites.bind(
                 node, info.partition_id, identity, connected)
             if refusal is not None:
