@@ -85,7 +85,7 @@ class PartitionMap:
         owners: dict[int, str] = {}
         for item in (part.strip() for part in re.split(r"[,\s]+", text) if part.strip()):
             who, sep, pid_text = item.rpartition("=")
-            if not sep or not who or not pid_text.isdigit():
+            if not sep or not who or not re.fullmatch(r"[0-9]+", pid_text):
                 raise ValueError(f"'{item}' is not NAME=PARTITION or SHA256:FINGERPRINT=PARTITION")
             if who.startswith("SHA256:") and not _FINGERPRINT.fullmatch(who):
                 raise ValueError(f"'{who}' is not a SHA256 key fingerprint as ssh-keygen -lf prints it")
@@ -101,11 +101,13 @@ class PartitionMap:
 
     def partition_of(self, identity: Identity) -> int | None:
         """The partition ``identity`` serves, or None when this map gives it none. A key's
-        fingerprint in the map wins over its name."""
+        fingerprint in the map wins over its name; an entry spelled as a fingerprint matches
+        only a key (anyone who may register a node may name it ``SHA256:...``)."""
         if self.entries:
-            for who in (identity.fingerprint, identity.name):
-                if who and who in self.entries:
-                    return self.entries[who]
+            if identity.fingerprint in self.entries:
+                return self.entries[identity.fingerprint]
+            if identity.name and not identity.name.startswith("SHA256:"):
+                return self.entries.get(identity.name)
             return None
         match = DEFAULT_NAME.fullmatch(identity.name)
         return int(match.group(1)) if match else None
@@ -148,6 +150,11 @@ class SiteRegistry:
     def node_of(self, partition_id: int) -> int | None:
         """The node bound to ``partition_id``, if any."""
         return next((node for node, pid in self.node_partition.items() if pid == partition_id), None)
+
+    def backs(self, identity: Identity | None, claimed: int) -> bool:
+        """Whether ``identity`` serves the partition a node claims (always, where claims are
+        believed): only such nodes' answers may size the federation."""
+        return self.trusted_claims or (identity is not None and self.map.partition_of(identity) == claimed)
 
     def screen(self, node_id: int, identity: Identity, num_partitions: int | None) -> Refusal | None:
         """Refuse, before it is sent anything, a node whose identity serves no partition."""

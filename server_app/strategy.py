@@ -309,12 +309,15 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """
         self.discovery_timeout = timeout
         while True:
-            screened = self._screen(grid)
+            screened, refused = self._screen(grid)
             nodes = [n for n in screened if n not in self.node_partition]
             if not nodes:
+                if strict and refused:  # the refused counted towards min_available_nodes
+                    continue
                 return dict(self.node_partition)
             replies, gone = self._query(grid, nodes, timeout)
-            problems, refused = self._bind_answers(grid, replies, strict)
+            problems, refused_answers = self._bind_answers(grid, replies, strict)
+            refused = refused or refused_answers
             for node in gone:  # not a client problem: the federation goes on with the nodes it has
                 log(WARNING, "discovery: node %d went offline before it answered; left out", node)
             missing = len(nodes) - len(replies) - len(gone)
@@ -328,12 +331,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             if not (strict and refused):
                 return dict(self.node_partition)
 
-    def _screen(self, grid: Grid) -> list[int]:
-        """The connected nodes whose identity may serve a partition; the others are refused
-        here, before they are sent anything at all (the query included)."""
+    def _screen(self, grid: Grid) -> tuple[list[int], bool]:
+        """The connected nodes whose identity may serve a partition, and whether a node was
+        refused: the others are refused here, before they are sent anything at all (the query
+        included)."""
         nodes = self._wait_for_nodes(grid)
         identities = self._identities(grid)
-        kept = []
+        kept, refused = [], False
         for node in nodes:
             if node not in self.node_partition and not self.sites.trusted_claims:
                 if node not in identities:  # connected after the list was read: next time
@@ -341,9 +345,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 refusal = self.sites.screen(node, identities[node], self.num_partitions)
                 if refusal is not None:
                     self._refuse(node, refusal.reason)
+                    refused = True
                     continue
             kept.append(node)
-        return kept
+        return kept, refused
 
     def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], strict: bool) -> tuple[list[str], bool]:
         """Bind each answering node to the partition it claims, where its identity agrees;
@@ -355,23 +360,30 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 answers.append((node, parse_query_reply(reply, self.max_samples_per_client)))
             except InvalidReply as err:
                 problems.append(f"node {node}: {err}")
+        identities = self._identities(grid)
         if self.num_partitions is None and answers:
             # Every node partitions the same dataset into the same J parts; the most common
-            # answer is the federation's, a node that disagrees is misconfigured.
-            self.num_partitions = _most_common([info.num_partitions for _, info in answers])
-        identities = self._identities(grid)
+            # answer among the nodes whose identity backs their claim is the federation's, a
+            # node that disagrees is misconfigured.
+            backed = [info.num_partitions for node, info in answers
+                      if self.sites.backs(identities.get(node), info.partition_id)]
+            if backed:
+                self.num_partitions = _most_common(backed)
         connected = set(grid.get_node_ids())
         refused = False
         for node, info in sorted(answers):
-            if info.num_partitions != self.num_partitions:
-                problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
-                                f"is {self.num_partitions}")
-                continue
             identity = identities.get(node, Identity())
             if node not in identities and not self.sites.trusted_claims:
                 continue  # gone from the SuperLink's list since it answered: asked again next round
-            refusal = self.sites.screen(node, identity, self.num_partitions) or self.sites.bind(
-                node, info.partition_id, identity, connected)
+            # who a node is comes first: an answer its identity does not back is refused, and
+            # nothing else in it (its num-partitions) can stop the pre-flight
+            refusal = self.sites.screen(node, identity, self.num_partitions)
+            if refusal is None and self.sites.backs(identity, info.partition_id):
+                if info.num_partitions != self.num_partitions:
+                    problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
+                                    f"is {self.num_partitions}")
+                    continue
+            refusal = refusal or self.sites.bind(node, info.partition_id, identity, connected)
             if refusal is not None:
                 if self.sites.trusted_claims and strict:  # no identity to tell who is right: stop
                     problems.append(f"node {node}: {refusal.reason}")

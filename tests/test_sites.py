@@ -53,6 +53,9 @@ def test_an_operators_map_binds_names_and_keys_and_a_key_wins_over_a_name():
     assert site_map.partition_of(Identity("clinic-b", "SHA256:" + "B" * 43)) == 2
     assert site_map.partition_of(Identity("hospital-a", key)) == 1
     assert site_map.partition_of(Identity("supernode-0")) is None  # the default rule is off
+    # a name spelled as the fingerprint of another site's key is no key: anyone who registers a
+    # node chooses its name
+    assert site_map.partition_of(Identity(key)) is None
     assert PartitionMap.parse(" claims ").trust_claims
 
 
@@ -109,7 +112,7 @@ class KeyedGrid(InProcessGrid):
         self.names = names or {}
 
     def get_nodes(self):
-        return [NodeInfo(node_id=node, name=self.names.get(node, ""),
+        return [NodeInfo(node_id=node, name=self.names.get(node, f"supernode-{self.partition_of_node[node]}"),
                          public_key=self.keys.get(node, self.keys.get(self.partition_of_node[node], b"")))
                 for node in self.get_node_ids()]
 
@@ -135,6 +138,7 @@ def test_a_rogue_node_with_an_unmapped_key_is_sent_nothing_at_all_and_the_round_
             grid.contexts[999] = grid.contexts[first]  # claims partition 0, loads its data
             grid.partition_of_node[999] = 0
             grid.keys[999] = rogue_pem
+            grid.names[999] = ""
         strategy.discover(grid, timeout=60)
         messages = list(strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid))
         arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
@@ -148,3 +152,48 @@ def test_a_rogue_node_with_an_unmapped_key_is_sent_nothing_at_all_and_the_round_
     _, _, without = one_round(False)
     for key, value in without.items():
         assert (with_rogue[key] == value).all(), key
+
+
+def _strategy(min_available_nodes=2):
+    cfg = parse_run_config(RUN_CONFIG)
+    _, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    return FedPAC(initial_head=head, num_rounds=2, sites=SiteRegistry(), min_available_nodes=min_available_nodes)
+
+
+def _with_rogue(grid, claims, name):
+    """Node 999: the data of partition ``claims``, registered under ``name``."""
+    honest = next(n for n, pid in grid.partition_of_node.items() if pid == claims)
+    grid.contexts[999] = grid.contexts[honest]
+    grid.partition_of_node[999] = claims
+    grid.names[999] = name
+    return grid
+
+
+def test_a_rogues_answer_neither_sizes_the_federation_nor_stops_the_preflight(caplog):
+    """An enrolled node whose identity serves another partition than it claims answers the
+    pre-flight with a bogus federation size: it is refused, and the honest nodes' answers alone
+    decide the size (a refused node's answer must not make the honest ones look misconfigured)."""
+    def bogus_size(reply, pid):
+        if reply.metadata.src_node_id == 999:
+            reply.content[p.METRICS]["num-partitions"] = 7
+        return reply
+
+    grid = _with_rogue(KeyedGrid(RUN_CONFIG, 3, keys={}, tamper=bogus_size, tamper_queries=True), 0, "supernode-2")
+    strategy = _strategy()
+    with caplog.at_level(logging.WARNING):
+        bound = strategy.discover(grid, timeout=60)
+    assert strategy.num_partitions == 3 and sorted(bound.values()) == [0, 1, 2] and 999 not in bound
+    refusal = "Refused node 999: it claims partition 0, its identity (name 'supernode-2') serves partition 2"
+    assert refusal in caplog.text
+
+
+def test_the_preflight_waits_for_enough_nodes_that_are_not_refused(caplog):
+    """min-available-clients counts nodes that may serve a partition: with 2 honest nodes and a
+    refused one connected, the pre-flight waits for a third (here until its patience runs out)."""
+    grid = _with_rogue(KeyedGrid(RUN_CONFIG, 2, keys={}), 0, "rogue")
+    strategy = _strategy(min_available_nodes=3)
+    with caplog.at_level(logging.WARNING):
+        bound = strategy.discover(grid, timeout=1)
+    assert "Refused node 999" in caplog.text
+    assert "only 2 of the 3 required nodes connected" in caplog.text
+    assert sorted(bound.values()) == [0, 1]
