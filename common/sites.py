@@ -173,11 +173,10 @@ class SiteRegistry:
         """Bind ``node_id`` to its partition, or say why not: its identity gives another partition
         than it claims, or the partition's node is connected. A partition whose node is gone
         goes to the new one (a SuperNode restarted without authentication has a new node id)."""
-        if not self.trusted_claims:
-            pid = self.map.partition_of(identity)
-            if pid != claimed:
-                return self._refuse(node_id, Refusal(f"it claims partition {claimed}, its identity "
-                                                     f"({identity.describe()}) serves partition {pid}"))
+        if not self.backs(identity, claimed):
+            return self._refuse(node_id, Refusal(f"it claims partition {claimed}, its identity "
+                                                 f"({identity.describe()}) serves partition "
+                                                 f"{self.map.partition_of(identity)}"))
         holder = self.node_of(claimed)
         if holder is not None and holder != node_id:
             if holder in connected:

@@ -309,14 +309,14 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """
         self.discovery_timeout = timeout
         while True:
-            screened, refused = self._screen(grid)
+            screened, identities, refused = self._screen(grid)
             nodes = [n for n in screened if n not in self.node_partition]
             if not nodes:
                 if strict and refused:  # the refused counted towards min_available_nodes
                     continue
                 return dict(self.node_partition)
             replies, gone = self._query(grid, nodes, timeout)
-            problems, refused_answers = self._bind_answers(grid, replies, strict)
+            problems, refused_answers = self._bind_answers(grid, replies, identities, strict)
             refused = refused or refused_answers
             for node in gone:  # not a client problem: the federation goes on with the nodes it has
                 log(WARNING, "discovery: node %d went offline before it answered; left out", node)
@@ -331,10 +331,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             if not (strict and refused):
                 return dict(self.node_partition)
 
-    def _screen(self, grid: Grid) -> tuple[list[int], bool]:
-        """The connected nodes whose identity may serve a partition, and whether a node was
-        refused: the others are refused here, before they are sent anything at all (the query
-        included)."""
+    def _screen(self, grid: Grid) -> tuple[list[int], dict[int, Identity], bool]:
+        """The connected nodes whose identity may serve a partition, the identities read, and
+        whether a node was refused: the others are refused here, before they are sent anything
+        at all (the query included)."""
         nodes = self._wait_for_nodes(grid)
         identities = self._identities(grid)
         kept, refused = [], False
@@ -348,11 +348,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                     refused = True
                     continue
             kept.append(node)
-        return kept, refused
+        return kept, identities, refused
 
-    def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], strict: bool) -> tuple[list[str], bool]:
-        """Bind each answering node to the partition it claims, where its identity agrees;
-        returns the problems (misconfigured clients) and whether a node was refused."""
+    def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], identities: dict[int, Identity],
+                      strict: bool) -> tuple[list[str], bool]:
+        """Bind each answering node to the partition it claims, where its identity (as
+        :meth:`_screen` read it) agrees; returns the problems (misconfigured clients) and
+        whether a node was refused."""
         problems: list[str] = []
         answers: list[tuple[int, ClientInfo]] = []
         for node, reply in replies:
@@ -360,7 +362,6 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 answers.append((node, parse_query_reply(reply, self.max_samples_per_client)))
             except InvalidReply as err:
                 problems.append(f"node {node}: {err}")
-        identities = self._identities(grid)
         if self.num_partitions is None and answers:
             # Every node partitions the same dataset into the same J parts; the most common
             # answer among the nodes whose identity backs their claim is the federation's, a
@@ -372,11 +373,10 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         connected = set(grid.get_node_ids())
         refused = False
         for node, info in sorted(answers):
-            identity = identities.get(node, Identity())
-            if node not in identities and not self.sites.trusted_claims:
-                continue  # gone from the SuperLink's list since it answered: asked again next round
-            # who a node is comes first: an answer its identity does not back is refused, and
-            # nothing else in it (its num-partitions) can stop the pre-flight
+            identity = identities.get(node, Identity())  # every asked node's, unless claims are believed
+            # screened again: the federation's size may only now be known. Who a node is comes
+            # first: an answer its identity does not back is refused, and nothing else in it
+            # (its num-partitions) can stop the pre-flight
             refusal = self.sites.screen(node, identity, self.num_partitions)
             if refusal is None and self.sites.backs(identity, info.partition_id):
                 if info.num_partitions != self.num_partitions:
