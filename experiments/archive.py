@@ -1,21 +1,20 @@
 """Archive a grid in progress, so that it continues on another machine: ``python -m experiments.archive``.
 
-The paper-length grids run for days on machines that do not last as long, and their archives
-are committed as they grow. So the archive is a folder with one ``.tgz`` per cell, each
-byte-for-byte the same as long as its cell has not changed (files in a fixed order, no owner,
-no gzip time stamp): a commit of a grown grid adds only the cells that moved, not the grid
-again.
+The paper-length grids run for days, longer than some machines last. The archive is a folder
+with one ``.tgz`` per cell, each byte-for-byte the same as long as its cell has not changed
+(files in a fixed order, no owner, no gzip time stamp): copying a grown grid's archive again
+(``rsync``) moves only the cells that changed. Archives are not committed to git: a clone
+carries every committed byte forever (``experiments/README.md``).
 
 Each cell's archive holds its ``cell.json`` and ``cell.log``, its newest run folder (a resumed
 run's folder carries the whole history) and, when that is an older one, the run the runner
 would resume from; no charts (the runner redraws them), and no checkpoint or final state of a
 run that reached the grid's full length (nothing continues it). Files keep their modification
 times: they order a cell's runs. Unpacked where the grid's ``--out`` points, the runner skips
-the finished cells and resumes the stopped one from its checkpoint
-(``experiments/state/README.md``).
+the finished cells and resumes the stopped one from its checkpoint.
 
-    python -m experiments.archive /work/grid/fmnist-paper experiments/state/fmnist-paper
-    for cell in experiments/state/fmnist-paper/*.tgz; do tar xzf "$cell" -C /work/grid; done
+    python -m experiments.archive grids/fmnist-paper grid-state/fmnist-paper
+    for cell in grid-state/fmnist-paper/*.tgz; do tar xzf "$cell" -C grids; done
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", type=Path, help="the grid's output folder (the runner's --out)")
     parser.add_argument("destination", type=Path,
-                        help="the folder of the cells' archives, e.g. experiments/state/NAME")
+                        help="the folder of the cells' archives, e.g. grid-state/NAME")
     parser.add_argument("--full-rounds", type=int, default=200,
                         help="rounds of a run that nothing continues (default: 200, the paper's)")
     args = parser.parse_args(argv)

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tests.prerequisites import require_tools
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 FEDERATION = "fedpac-test"
@@ -44,6 +46,12 @@ def free_port() -> int:
 
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (reaped, or a zombie not reaped yet)."""
+    if not Path("/proc/self/status").exists():  # no /proc (macOS): a zombie still counts as there
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as status:
             return any(line.startswith("State:") and "Z" in line for line in status)
@@ -52,6 +60,7 @@ def process_gone(pid: int) -> bool:
 
 
 def create_certificates(directory: Path, num_nodes: int, *sans: str) -> Path:
+    require_tools("openssl", "ssh-keygen")
     subprocess.run(
         ["bash", str(ROOT / "deploy" / "certs.sh"), "create", "--out", str(directory),
          "--clients", str(num_nodes), *[arg for san in sans for arg in ("--san", san)]],

@@ -13,7 +13,6 @@ import csv
 import ipaddress
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from deploy import compose
 from tests.deployment import ROOT, SMALL, Workstation, create_certificates
+from tests.prerequisites import docker_engine_running, require_docker
 
 LOCAL_BASE = "local/pybase:bookworm"
 # The CPU app image (what docker-compose.cpu.yml runs): 1 GB instead of the CUDA image's 7 GB, whose
@@ -46,11 +46,10 @@ def _docker(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def docker_engine(tmp_path_factory):
-    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+    require_docker()
+    if docker_engine_running():
         yield None  # someone else's engine: leave it running
         return
-    if shutil.which("dockerd") is None:
-        pytest.fail("no Docker engine: run deploy/install-docker.sh (make test does)")
     log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
     engine = subprocess.Popen(
         ["dockerd", "--data-root", os.environ.get("FEDPAC_DOCKER_ROOT", "/var/lib/fedpac-docker"),

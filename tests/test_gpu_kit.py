@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.deployment import ROOT
+from tests.prerequisites import require_fashion_mnist
 
 KIT = ROOT / "deploy" / "gpu"
 sys.path.insert(0, str(KIT))
@@ -66,12 +66,7 @@ def test_python_certificates_are_what_certs_sh_makes(tmp_path):
 
 @pytest.mark.e2e
 def test_kit_dry_run_deploys_benches_and_reports(tmp_path):
-    if not Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").is_file():
-        # CI's `make test` installs it (deploy/install-datasets.sh): there a missing set is a failure
-        message = "the dry run exports Fashion-MNIST partitions: run deploy/install-datasets.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_fashion_mnist()
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out)}
     result = subprocess.run(["bash", str(KIT / "run-kit.sh"), "--dry-run", "--python", sys.executable],

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.deployment import SMALL, Federation, create_certificates, rounds_of
+from tests.prerequisites import require_root_networking
 
 pytestmark = pytest.mark.e2e
 
@@ -65,8 +66,7 @@ class VirtualNetwork:
 
 @pytest.fixture
 def network():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
+    require_root_networking()
     net = VirtualNetwork(str(os.getpid() % 10000))
     yield net
     net.close()

@@ -32,6 +32,7 @@ from common.config import parse_run_config
 from common.data import DataError, load_client_directory, load_idx_dataset, read_idx
 from common.files import atomic_write
 from federation import InProcessGrid
+from prerequisites import require_tools
 from server_app.app import run_fedpac, write_round_outputs
 from server_app.checkpoint import Checkpoint, load_checkpoint
 from server_app.report import ChartPainter, RoundRecord, RunReport
@@ -39,9 +40,13 @@ from server_app.report import ChartPainter, RoundRecord, RunReport
 ROOT = Path(__file__).resolve().parents[1]
 CERTS = ROOT / "deploy" / "certs.sh"
 
-needs_tools = pytest.mark.skipif(
-    not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="needs openssl and ssh-keygen"
-)
+
+@pytest.fixture
+def _openssl_and_ssh_keygen() -> None:
+    require_tools("openssl", "ssh-keygen")
+
+
+needs_tools = pytest.mark.usefixtures("_openssl_and_ssh_keygen")
 
 
 # ---------------------------------------------------------------------------- deploy/certs.sh

@@ -29,6 +29,7 @@ from tests.deployment import (
     run_dir,
     wait_for_rounds,
 )
+from tests.prerequisites import require_linux
 
 pytestmark = pytest.mark.e2e
 
@@ -131,6 +132,7 @@ def test_a_revoked_node_is_refused_from_its_next_request_and_the_run_goes_on(fed
 def test_the_control_api_listens_on_this_host_only_by_default(tmp_path):
     """superlink.sh without --control-address: the Control API (9093) is bound to 127.0.0.1,
     the Fleet API (9092) to every interface, for the sites."""
+    require_linux()
     certs = create_certificates(tmp_path / "certs", 1)
     env = Workstation(tmp_path / "home", "127.0.0.1:9093", certs / "ca.crt").env
     superlink = subprocess.Popen([str(ROOT / "deploy" / "superlink.sh"), "--certs", str(certs),
