@@ -12,9 +12,17 @@
 #       DIR/superexec.secret,              shared secrets (HMAC) between the SuperLink and its
 #       DIR/keys/supernode-<i>.secret      ServerApp executor, and each SuperNode and its ClientApp
 #                                          executor (process isolation, docker compose)
+#   deploy/certs.sh site-key --out DIR --name supernode-<i>
+#       at a site, on its own machine: its key pair DIR/supernode-<i> (private: it never leaves
+#       the machine) and DIR/supernode-<i>.pub (the one file to send to the operator), and the
+#       key's fingerprint, for the operator to compare over a second channel before registering
+#       it. An existing pair is kept (its fingerprint is printed again).
 #   deploy/certs.sh register --keys DIR/keys FEDERATION [--clients N]
 #       registers every supernode-<i>.pub (or the first N) with the running SuperLink that
 #       FEDERATION names in $FLWR_HOME/config.toml: only registered SuperNodes may connect.
+#   deploy/certs.sh connect FEDERATION --address HOST:PORT --ca DIR/ca.crt
+#       writes the connection [superlink.FEDERATION] into $FLWR_HOME/config.toml (default
+#       ~/.flwr/config.toml): replaced when it is there, added when not; nothing else changes.
 #
 # Existing files are kept (re-running adds what is missing), so a CA is never replaced by
 # accident; ca.key is needed only to sign a server certificate, so with it offline a re-run can
@@ -240,9 +248,62 @@ register() {
   done
 }
 
+site_key() {
+  local out="" name=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --out) out="${2:-}"; shift 2 || usage ;;
+      --name) name="${2:-}"; shift 2 || usage ;;
+      *) usage ;;
+    esac
+  done
+  [ -n "$out" ] && [ -n "$name" ] || { echo "certs.sh site-key: --out DIR and --name NAME are required" >&2; usage; }
+  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "--name $name: use letters, digits, '-' and '_' (e.g. supernode-3)"
+  command -v ssh-keygen >/dev/null || die "ssh-keygen not found: install it (e.g. apt-get install openssh-client)"
+  mkdir -p "$out"
+  umask 077
+  if [ -f "$out/$name" ]; then
+    [ -f "$out/$name.pub" ] || ssh-keygen -y -f "$out/$name" > "$out/$name.pub" ||
+      die "$out/$name is not a readable private key: move it away to make a new pair"
+    echo "kept the key pair in $out (not replaced: the operator registered this one)"
+  elif [ -f "$out/$name.pub" ]; then
+    die "$out/$name.pub exists without its private key: move it away to make a new pair"
+  else
+    work="$(mktemp -d "$out/.site-key.XXXXXX")"
+    trap 'rm -rf "$work"' EXIT
+    # ECDSA P-256: every request a node sends is signed with it (7x faster than P-384)
+    ssh-keygen -q -t ecdsa -b 256 -N "" -C "$name" -f "$work/$name" </dev/null ||
+      die "ssh-keygen could not make the key pair (nothing was written)"
+    mv "$work/$name.pub" "$out/$name.pub"
+    mv "$work/$name" "$out/$name"
+    echo "created the key pair $out/$name (private: keep it on this machine)"
+  fi
+  chmod 600 "$out/$name"
+  chmod 644 "$out/$name.pub"
+  echo "send to the operator: $out/$name.pub"
+  echo "fingerprint (tell it to the operator over another channel): $(ssh-keygen -lf "$out/$name.pub" | awk '{print $2}')"
+}
+
+connect() {
+  local federation="" address="" ca=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --address) address="${2:-}"; shift 2 || usage ;;
+      --ca) ca="${2:-}"; shift 2 || usage ;;
+      -*) usage ;;
+      *) federation="$1"; shift ;;
+    esac
+  done
+  [ -n "$federation" ] && [ -n "$address" ] && [ -n "$ca" ] || usage
+  "${PYTHON:-python3}" "$(dirname "$0")/flwr_connection.py" "${FLWR_HOME:-$HOME/.flwr}/config.toml" \
+    "$federation" --address "$address" --root-certificates "$ca"
+}
+
 work=""
 case "${1:-}" in
   create) shift; create "$@" ;;
+  site-key) shift; site_key "$@" ;;
   register) shift; register "$@" ;;
+  connect) shift; connect "$@" ;;
   *) usage ;;
 esac

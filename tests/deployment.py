@@ -59,13 +59,20 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def create_certificates(directory: Path, num_nodes: int, *sans: str) -> Path:
+def create_certificates(directory: Path, num_nodes: int, *sans: str, site_keys: bool = True) -> Path:
+    """The operator's CA and SuperLink certificate, and ``num_nodes`` SuperNode key pairs in
+    ``directory/keys``: made as each site makes its own (``certs.sh site-key``) unless
+    ``site_keys`` is false (the compose test bed's central set, with its executors' secrets)."""
     require_tools("openssl", "ssh-keygen")
+    certs = ROOT / "deploy" / "certs.sh"
     subprocess.run(
-        ["bash", str(ROOT / "deploy" / "certs.sh"), "create", "--out", str(directory),
-         "--clients", str(num_nodes), *[arg for san in sans for arg in ("--san", san)]],
+        ["bash", str(certs), "create", "--out", str(directory), "--clients", str(0 if site_keys else num_nodes),
+         *[arg for san in sans for arg in ("--san", san)]],
         check=True, capture_output=True,
     )
+    for pid in range(num_nodes if site_keys else 0):
+        subprocess.run(["bash", str(certs), "site-key", "--out", str(directory / "keys"), "--name", f"supernode-{pid}"],
+                       check=True, capture_output=True)
     return directory
 
 

@@ -132,7 +132,7 @@ def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
     subnet, certs, data = unrouted_subnet(), tmp_path / "certs", tmp_path / "data"
     cluster = Cluster(tmp_path, certs, data, subnet)
     cluster("down", "--volumes", "--timeout", "5")  # what an interrupted run of this test left
-    create_certificates(certs, 3, f"{subnet}.10")
+    create_certificates(certs, 3, f"{subnet}.10", site_keys=False)
     subprocess.run(["chown", "49999:49999", str(certs / "superlink.key"), str(certs / "superexec.secret"),
                     *[str(certs / "keys" / f"supernode-{i}{ext}") for i in range(3) for ext in ("", ".secret")]],
                    check=True)

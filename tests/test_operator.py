@@ -15,11 +15,14 @@ import shutil
 import struct
 import subprocess
 import threading
+import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_ssh_public_key
 
 from flwr.app import MessageType
 
@@ -31,6 +34,7 @@ from common.aggregation import capped_sample_weights, weighted_average
 from common.config import parse_run_config
 from common.data import DataError, load_client_directory, load_idx_dataset, read_idx
 from common.files import atomic_write
+from common.sites import fingerprint
 from federation import InProcessGrid
 from prerequisites import require_tools
 from server_app.app import run_fedpac, write_round_outputs
@@ -173,6 +177,76 @@ def test_openssl_errors_are_shown_and_leave_no_files(tmp_path):
     assert not (out / "superlink.crt").exists() and not (out / "superlink.key").exists()
     no_leftovers(out)
     assert certs(out).returncode == 0 and verifies(out)  # the CA made before is used
+
+
+def site_key(out: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CERTS), "site-key", "--out", str(out), "--name", name],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@needs_tools
+def test_a_site_makes_its_own_key_pair_and_sends_only_the_public_key(tmp_path):
+    """The operator's set has no site keys (--clients 0); a site's pair is made on its machine,
+    the private key readable by its owner only, and the printed fingerprint is the one the server
+    will see for the registered public key. A second run keeps the registered pair."""
+    assert certs(tmp_path / "certs", clients=0).returncode == 0
+    assert not list((tmp_path / "certs" / "keys").iterdir())
+    made = site_key(tmp_path / "site", "supernode-3")
+    assert made.returncode == 0, made.stderr
+    private, public = tmp_path / "site" / "supernode-3", tmp_path / "site" / "supernode-3.pub"
+    assert private.stat().st_mode & 0o077 == 0 and sorted(p.name for p in (tmp_path / "site").iterdir()) == [
+        "supernode-3", "supernode-3.pub"]
+    assert f"send to the operator: {public}" in made.stdout
+    printed = subprocess.run(["ssh-keygen", "-lf", str(public)], capture_output=True, text=True, check=True)
+    assert f"fingerprint (tell it to the operator over another channel): {printed.stdout.split()[1]}" in made.stdout
+    pem = load_ssh_public_key(public.read_bytes()).public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    assert fingerprint(pem) == printed.stdout.split()[1]  # what the server sees once it is registered
+    before = listing(tmp_path / "site")
+    again = site_key(tmp_path / "site", "supernode-3")
+    assert again.returncode == 0 and "kept the key pair" in again.stdout
+    assert listing(tmp_path / "site") == before
+    private.unlink()  # a lone public key is not silently paired with a new private key
+    orphan = site_key(tmp_path / "site", "supernode-3")
+    assert orphan.returncode == 1 and "exists without its private key" in orphan.stderr
+    assert site_key(tmp_path / "site", "../x").returncode == 1
+
+
+def connect(home: Path, name: str, address: str, ca: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CERTS), "connect", name, "--address", address, "--ca", str(ca)],
+                          env={**os.environ, "FLWR_HOME": str(home), "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_federation_connection_is_written_the_same_however_often_it_runs(tmp_path):
+    """`certs.sh connect` run twice leaves the file as once; another entry and the user's comments
+    stay; Flower itself reads the result; a broken file is refused and left as it was."""
+    ca = tmp_path / "ca.crt"
+    ca.write_text("a CA certificate")
+    home = tmp_path / "flwr"
+    home.mkdir()
+    config = home / "config.toml"
+    config.write_text('# my own\n[superlink]\ndefault = "other"\n\n[superlink.other]\naddress = "10.1.1.1:9093"\n'
+                      'insecure = true\n')
+    first = connect(home, "fedpac-remote", "127.0.0.1:9093", ca)
+    assert first.returncode == 0 and "(added)" in first.stdout, first.stderr
+    once = config.read_text()
+    second = connect(home, "fedpac-remote", "127.0.0.1:9093", ca)
+    assert second.returncode == 0 and "already points to 127.0.0.1:9093" in second.stdout
+    assert config.read_text() == once
+    assert connect(home, "fedpac-remote", "127.0.0.1:9094", ca).returncode == 0
+    parsed = tomllib.loads(config.read_text())["superlink"]
+    assert parsed == {"default": "other", "other": {"address": "10.1.1.1:9093", "insecure": True},
+                      "fedpac-remote": {"address": "127.0.0.1:9094", "root-certificates": str(ca)}}
+    assert config.read_text().startswith("# my own\n")
+    listed = subprocess.run([str(Path(sys.executable).parent / "flwr"), "config", "list"], capture_output=True,
+                            text=True, env={**os.environ, "FLWR_HOME": str(home)}, timeout=60, check=False)
+    assert "fedpac-remote" in listed.stdout and "other (default)" in listed.stdout, listed.stdout + listed.stderr
+    config.write_text("broken = [\n")
+    refused = connect(home, "fedpac-remote", "127.0.0.1:9093", ca)
+    assert refused.returncode == 1 and "not valid TOML" in refused.stderr and config.read_text() == "broken = [\n"
+    config.unlink()
+    bad = connect(home, "fedpac-remote", "no-port", ca)
+    assert bad.returncode == 1 and "expected HOST:PORT" in bad.stderr and not config.exists()
 
 
 @needs_tools
