@@ -26,7 +26,7 @@ from common.variational import VEMProtocol, initial_global_head
 from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
 from server_app.grid import ResponsiveGrid, is_simulation
 from common.files import atomic_write, npz_bytes
-from server_app.report import RoundRecord, RunReport
+from server_app.report import FinalDelivery, RoundRecord, RunReport
 from server_app.strategy import FedPAC
 
 app = ServerApp()
@@ -224,11 +224,11 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         write_round_outputs(report, record, checkpoint)
         write_status("running", record.round)
 
-    def write_status(state: str, completed: int, error: str = "") -> str:
+    def write_status(state: str, completed: int, error: str = "", delivery: FinalDelivery | None = None) -> str:
         """status.json, with the checkpoint to continue from now; returns the command that does."""
         source = resume_source(cfg, directory)
         resume = resume_command(cfg, source)
-        report.write_status(state, completed, resume, error, checkpoint_file(source))
+        report.write_status(state, completed, resume, error, checkpoint_file(source), delivery)
         return resume
 
     strategy.on_round_end = end_of_round
@@ -245,6 +245,9 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         if strategy.extractor is None:
             strategy.extractor = extractor
         save_final_state(strategy, directory / "final_state.npz")
+        # Every site ends the run with its model, whether or not the last round evaluated it. A
+        # simulated client has no site to keep one (its head is in final_state.npz, saved first).
+        delivery = None if is_simulation(grid) else strategy.deliver(grid, timeout=cfg.round_timeout)
     except BaseException as err:
         report.close()
         completed = report.rounds[-1].round if report.rounds else strategy.round_offset
@@ -253,7 +256,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
             cfg.num_server_rounds, err, resume)
         raise
     report.close()  # the charts show the last round before the run says it finished
-    write_status("finished", cfg.num_server_rounds)
+    write_status("finished", cfg.num_server_rounds, delivery=delivery)
     return strategy, report
 
 

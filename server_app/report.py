@@ -123,6 +123,30 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
         return sum(status.startswith("fallback") for status in self.solver_status)
 
 
+@dataclass
+class FinalDelivery:
+    """Which sites hold the run's final personalized model at its end, by partition-id.
+
+    A deployed site saves the model it evaluates in the last round (``client_app.app``); the
+    sites that no evaluation of the last round reached get it in an evaluate message of their
+    own after the loop (``FedPAC.deliver``). ``accuracy`` is each delivered site's accuracy on its
+    own test split (what its ``model.json`` says); ``undelivered`` are the sites that never got
+    the model (their heads are in final_state.npz)."""
+
+    round: int
+    accuracy: dict[int, float] = field(default_factory=dict)
+    undelivered: list[int] = field(default_factory=list)
+
+    @property
+    def delivered(self) -> list[int]:
+        return sorted(self.accuracy)
+
+    def summary(self) -> dict:
+        """status.json's ``delivery`` entry."""
+        return {"round": self.round, "delivered": self.delivered, "undelivered": sorted(self.undelivered),
+                "accuracy": {str(pid): self.accuracy[pid] for pid in self.delivered}}
+
+
 def record_fields(record: RoundRecord) -> dict:
     """``record``'s fields as a dict for JSON, sharing its values: ``dataclasses.asdict``
     deep-copies every nested dict, 400 times slower on a long run's history, for nothing."""
@@ -221,13 +245,16 @@ class RunReport:
 
     def write_status(  # pylint: disable=too-many-arguments
         self, state: str, completed_rounds: int, resume: str, error: str = "", checkpoint: Path | None = None,
+        delivery: FinalDelivery | None = None,
     ) -> None:
         """``status.json``: where the run stands, for an operator and for scripts.
 
         ``state`` is ``running`` (rewritten after every round, so a ``running`` status whose
         ``updated`` time stopped moving is a ServerApp that died, with its SuperLink say),
         ``finished`` or ``failed`` (with the error); ``resume`` continues from ``checkpoint``
-        (by default the run's own, in its folder).
+        (by default the run's own, in its folder). ``delivery`` says which sites got the final
+        model (:class:`FinalDelivery`; ``null`` before the end, and in a simulation, whose
+        clients keep no model).
         """
         if checkpoint is None:
             checkpoint = self.directory / "checkpoint.npz"
@@ -235,6 +262,7 @@ class RunReport:
             "state": state, "completed_rounds": completed_rounds, "num_rounds": self.num_rounds,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(checkpoint),
             "resume": resume, "error": error,
+            "delivery": None if delivery is None else finite_json(delivery.summary()),
         }
         atomic_write(self.directory / "status.json", json.dumps(status, indent=2).encode())
 

@@ -4,6 +4,8 @@ Per round: every selected node gets its own message (global extractor, global ce
 *its* personalized head); ``aggregate_train`` averages extractors by samples (eq. 18),
 centroids by class counts (eq. 19), solves each replying client's collaboration QP and stores
 the mixed heads by partition-id; ``configure_evaluate`` sends every node its new head.
+After the last round, :meth:`FedPAC.deliver` sends the final model to every bound site that no
+evaluation of that round reached, so every site ends the run with its personalized model.
 
 The baselines and ablations (``common.methods``) run through the same class: a method only
 says what happens to each model part (averaged, mixed, or kept per client by partition-id)
@@ -46,12 +48,16 @@ from server_app.replies import (
     reply_source,
 )
 from server_app.checkpoint import Checkpoint
-from server_app.report import RoundRecord
+from server_app.report import FinalDelivery, RoundRecord
 
 
 # Seconds before the pre-flight asks a silent node again (a first message may import torch and
 # load a dataset: minutes on a crowded host, but not ten).
 DISCOVERY_ATTEMPT = 120.0
+
+
+# Seconds between two looks for a site that the final delivery has not reached (offline).
+DELIVERY_POLL = 1.0
 
 
 # The anchors key of the one global anchor set (``clustered-anchors = false``): not a partition-id.
@@ -205,6 +211,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # an offline node's place is attributed through them.
         self._sent: list[Message] = []
         self._bytes_received: dict[int, int] = {}
+        # The last round's valid evaluations, by partition-id: those sites evaluated, and so saved,
+        # the final model; the final delivery skips them.
+        self.final_accuracy: dict[int, float] = {}
 
     @property
     def node_partition(self) -> dict[int, int]:
@@ -782,6 +791,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             self._accept(msg, lambda m: parse_evaluate_reply(m, self.num_partitions)) for msg in replies
         )
         evaluations: list[ClientEvaluation] = self._unique([e for e in accepted if e is not None])
+        if server_round == self.num_rounds:
+            self.final_accuracy = {e.partition_id: e.accuracy for e in evaluations}
         record.seconds = time.time() - record.started
         self._close_round(record, evaluations)
         if not evaluations:
@@ -809,3 +820,84 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             log(WARNING, "Round %d: no valid evaluation replies", record.round)
         if self.on_round_end is not None:
             self.on_round_end(record)
+
+    # ------------------------------------------------------------------ final delivery
+
+    def deliver(self, grid: Grid, timeout: float) -> FinalDelivery:
+        """After the last round: send the final model to every bound site that the last round's
+        evaluation did not reach (not sampled, offline, or its reply lost), and say who has it.
+
+        The model travels in an ordinary evaluate message of the last round: the client
+        evaluates it on its own test split and a deployed site saves it with that accuracy
+        (``client_app.app``), exactly what an evaluated site did. A site that is not connected,
+        or does not answer, is asked again until ``timeout`` seconds have passed; one that
+        answers with an error is not (its reply is logged). The sites that never got the model
+        are named in one warning; their heads stay in final_state.npz.
+        """
+        delivery = FinalDelivery(round=self.num_rounds, accuracy=dict(self.final_accuracy))
+        pending = set(self.node_partition.values()) - set(delivery.accuracy)
+        if pending:
+            log(INFO, "Final delivery: sending the round-%d model to partitions %s, which its "
+                "evaluation did not reach", self.num_rounds, sorted(pending))
+        deadline = time.monotonic() + timeout
+        failed: set[int] = set()  # answered with an error or an invalid reply: not asked again
+        asked: dict[int, float] = {}  # unbound nodes, when discovery last asked them
+        while pending - failed:
+            self._bind_newcomers(grid, deadline, asked)
+            nodes = self._nodes_of(grid, pending - failed)
+            if nodes:
+                wait = max(0.0, min(DISCOVERY_ATTEMPT, deadline - time.monotonic()))
+                delivered, answered = self._send_final_model(grid, nodes, wait)
+                delivery.accuracy.update(delivered)
+                pending -= set(delivered)
+                failed |= answered - set(delivered)
+            remaining = deadline - time.monotonic()
+            if not pending - failed or remaining <= 0:
+                break
+            time.sleep(min(DELIVERY_POLL, remaining))  # an offline site is asked once it is back
+        delivery.undelivered = sorted(pending)
+        if pending:
+            offline, erred = sorted(pending - failed), sorted(pending & failed)
+            reasons = [f"{offline} offline until the {timeout:.0f}s timeout"] if offline else []
+            reasons += [f"{erred} answered with an error (logged above)"] if erred else []
+            log(WARNING, "Final model not delivered to partitions %s (%s): those sites keep no model of "
+                "this run; their heads are in final_state.npz", delivery.undelivered, "; ".join(reasons))
+        log(INFO, "Final model of round %d held by %d of %d sites", self.num_rounds, len(delivery.accuracy),
+            len(delivery.accuracy) + len(pending))
+        return delivery
+
+    def _bind_newcomers(self, grid: Grid, deadline: float, asked: dict[int, float]) -> None:
+        """Bind connected nodes that are not yet (a SuperNode restarted without authentication
+        comes back under a new node id), as a round does before it sends anything. A node is
+        asked at most once per DISCOVERY_ATTEMPT: one refused for now (its partition's node was
+        still connected) is not queried at every look of the delivery."""
+        now = time.monotonic()
+        unbound = [n for n in self._candidates(grid) if n not in self.node_partition]
+        if not any(now - asked.get(n, -float("inf")) >= DISCOVERY_ATTEMPT for n in unbound):
+            return
+        asked.update(dict.fromkeys(unbound, now))
+        patience = self.discovery_timeout
+        self.discover(grid, max(1.0, min(DISCOVERY_ATTEMPT, deadline - now)), strict=False)
+        self.discovery_timeout = patience  # the run's patience, not this attempt's
+
+    def _nodes_of(self, grid: Grid, partitions: set[int]) -> list[int]:
+        """The connected nodes bound to ``partitions``, in partition order (not waiting for
+        ``min_available_nodes``: the delivery serves whoever is there)."""
+        nodes = [n for n in self._candidates(grid) if self.node_partition.get(n) in partitions]
+        return sorted(nodes, key=lambda n: self.node_partition[n])
+
+    def _send_final_model(self, grid: Grid, nodes: list[int], timeout: float) -> tuple[dict[int, float], set[int]]:
+        """Send ``nodes`` the final model as an evaluate message; returns the accuracy of each
+        partition whose valid evaluation came back, and every partition whose node answered at
+        all (the SuperLink's word that a node is offline is no answer)."""
+        assert self.extractor is not None  # set by the rounds, or by restore()
+        messages = self._messages(nodes, self.extractor, MessageType.EVALUATE, self.num_rounds)
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        sent = destinations(self._sent)
+        answered = set()
+        for reply in replies:
+            node = reply_source(reply, sent)
+            if node in self.node_partition and not node_unavailable(reply):
+                answered.add(self.node_partition[node])
+        parsed = (self._accept(msg, lambda m: parse_evaluate_reply(m, self.num_partitions)) for msg in replies)
+        return {e.partition_id: e.accuracy for e in parsed if e is not None}, answered
