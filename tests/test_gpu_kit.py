@@ -20,7 +20,7 @@ sys.path.insert(0, str(KIT))
 def test_wheelhouse_lists_the_app_s_runtime_without_what_the_gpu_image_has_or_the_kit_never_imports():
     listed = subprocess.run(["bash", str(KIT / "make-wheelhouse.sh"), "--list"], check=True,
                             capture_output=True, text=True).stdout.split()
-    assert {"flwr", "grpcio", "cryptography", "cvxpy", "clarabel", "datasets", "flwr-datasets", "mlxtend",
+    assert {"flwr", "grpcio", "cryptography", "cvxpy", "clarabel", "datasets", "flwr-datasets",
             "threadpoolctl", "hatchling"} <= set(listed)
     # too big for 64 MiB and either on the image (torch, numpy, scipy, pyarrow, matplotlib, ...)
     # or never imported by the kit (uv, ray, cvxpy's other solvers)

@@ -146,7 +146,7 @@ step_smoke() {  # what every later step imports, from the interpreter they use
 import importlib, sys
 versions = {}
 for name in ("torch", "torchvision", "numpy", "flwr", "grpc", "cvxpy", "datasets", "flwr_datasets", "matplotlib",
-             "scipy", "pyarrow", "mlxtend", "threadpoolctl"):
+             "scipy", "pyarrow", "threadpoolctl"):
     module = importlib.import_module(name)
     versions[name] = getattr(module, "__version__", "?")
 import client_app.app, server_app.app  # noqa: E401,F401  the app itself
