@@ -20,6 +20,8 @@
 #   deploy/certs.sh register --keys DIR/keys FEDERATION [--clients N]
 #       registers every supernode-<i>.pub (or the first N) with the running SuperLink that
 #       FEDERATION names in $FLWR_HOME/config.toml: only registered SuperNodes may connect.
+#       Keys the SuperLink knows already are reported and skipped, so it can run again whenever
+#       a site sends its key.
 #   deploy/certs.sh connect FEDERATION --address HOST:PORT --ca DIR/ca.crt
 #       writes the connection [superlink.FEDERATION] into $FLWR_HOME/config.toml (default
 #       ~/.flwr/config.toml): replaced when it is there, added when not; nothing else changes.
@@ -242,8 +244,16 @@ register() {
   local pub i=0
   for pub in $(ls "$keys"/supernode-*.pub | sort -V); do
     if [ -n "$clients" ] && [ "$i" -ge "$clients" ]; then break; fi
-    flwr supernode register "$pub" "$federation" --name "$(basename "$pub" .pub)" >/dev/null
-    echo "registered $(basename "$pub")"
+    local said
+    if said="$(flwr supernode register "$pub" "$federation" --name "$(basename "$pub" .pub)" 2>&1)"; then
+      echo "registered $(basename "$pub")"
+    elif [[ "$said" == *"already in use"* ]]; then
+      # re-running after a new site sent its key: the earlier ones are known already
+      echo "$(basename "$pub"): already known to the SuperLink (registered, or revoked: a revoked" \
+           "key stays refused; that site makes a new pair)"
+    else
+      die "flwr supernode register $pub failed: $said"
+    fi
     i=$((i + 1))
   done
 }

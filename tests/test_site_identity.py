@@ -12,6 +12,7 @@ started with deploy/superlink.sh and deploy/supernode.sh, driven by `flwr run`.
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.deployment import (
+    BIN,
     FEDERATION,
     ROOT,
     SMALL,
@@ -34,6 +36,7 @@ from tests.prerequisites import require_linux
 pytestmark = pytest.mark.e2e
 
 SITES = (0, 1)
+CERTS = ROOT / "deploy" / "certs.sh"
 ROGUES = (2, 3)  # enrolled keys, registered as supernode-2 and supernode-3: no partition of a 2-site run
 
 
@@ -127,6 +130,19 @@ def test_a_revoked_node_is_refused_from_its_next_request_and_the_run_goes_on(fed
     # and the site's script says what that means instead of restarting it
     assert federation.supernodes["1"].wait(timeout=120) == 0
     assert "no longer accepts this node's key" in federation.read_log("supernode-1")
+    # The operator re-runs `certs.sh register` whenever a site sends its key: the keys the
+    # SuperLink knows are skipped (the revoked one stays revoked), the new one is registered.
+    keys = federation.certs / "keys"
+    subprocess.run(["bash", str(CERTS), "site-key", "--out", str(keys), "--name", "supernode-9"], check=True,
+                   capture_output=True)
+    again = subprocess.run(["bash", str(CERTS), "register", "--keys", str(keys), FEDERATION], capture_output=True,
+                           text=True, timeout=300, env={**federation.env, "PATH": f"{BIN}:{os.environ['PATH']}"})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "registered supernode-9.pub" in again.stdout
+    assert all(f"supernode-{pid}.pub: already known" in again.stdout for pid in (*SITES, *ROGUES)), again.stdout
+    after = {node["node-id"]: node["status"] for node in federation.nodes()}
+    assert after[str(federation.node_ids[1])] == "unregistered"
+    assert [after[node] for node in after.keys() - status.keys()] == ["registered"], (status, after)
 
 
 def test_the_control_api_listens_on_this_host_only_by_default(tmp_path):
