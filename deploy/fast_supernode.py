@@ -59,6 +59,7 @@ import flwr.client.grpc_rere_client.connection as fleet_connection  # noqa: E402
 import flwr.supernode.start_client_internal as supernode_loop  # noqa: E402
 import uvicorn  # noqa: E402
 from flwr.app import Message  # noqa: E402
+from flwr.supercore.heartbeat import HeartbeatSender  # noqa: E402
 from flwr.supernode.cli.flower_supernode import flower_supernode  # noqa: E402
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState  # noqa: E402
 from flwr.supernode.servicer.runtime import runtime_handlers  # noqa: E402
@@ -157,7 +158,30 @@ def slower_uvicorn_tick() -> None:
     uvicorn.Server.main_loop = _main_loop_every_second  # type: ignore[method-assign]
 
 
+def stop_heartbeat_once_ended(sender: HeartbeatSender) -> None:
+    """``HeartbeatSender.stop`` that also accepts a sender whose thread has already ended.
+
+    When the SuperLink refuses the node's key (``flwr supernode unregister``), Flower 1.39's
+    SuperNode exits with status 0, unless its heartbeat thread saw the refusal first and ended:
+    then the exit's ``deactivate_node`` raises "Heartbeat sender is not running", the node exits
+    with status 1, and ``supernode.sh`` takes a revoked node for a crashed one and restarts it.
+    """
+    if sender._thread.is_alive():  # noqa: SLF001
+        _flower_heartbeat_stop(sender)
+    else:
+        sender._stop_event.set()  # noqa: SLF001
+
+
+_flower_heartbeat_stop = HeartbeatSender.stop
+
+
+def tolerant_heartbeat_stop() -> None:
+    """A revoked node ends with status 0 whichever of its threads sees the refusal first."""
+    HeartbeatSender.stop = stop_heartbeat_once_ended  # type: ignore[method-assign]
+
+
 def main() -> None:
+    tolerant_heartbeat_stop()
     long_poll_tasks(wait_from_environment("FEDPAC_NODE_TASK_WAIT", 2.0))
     long_poll_replies(wait_from_environment("FEDPAC_NODE_REPLY_WAIT", 2.0))
     long_poll_objects(wait_from_environment("FEDPAC_NODE_OBJECT_WAIT", 2.0))

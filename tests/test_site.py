@@ -612,3 +612,30 @@ def test_the_app_bundle_a_site_receives_holds_the_apps_packages_only():
     assert packages == {"common", "server_app", "client_app", ".info"}, packages
     assert {"server_app/app.py", "client_app/app.py", "common/methods.py", "pyproject.toml"} <= set(members)
     assert len(fab) < 500_000
+
+
+def test_a_revoked_nodes_exit_stays_clean_when_its_heartbeat_thread_ended_first(monkeypatch):
+    """The heartbeat thread may see the SuperLink's refusal of a revoked key before the main
+    loop does and end; stopping it at the node's exit must not raise (Flower 1.39 raises, the
+    node then exits with status 1 and supernode.sh restarts a revoked node)."""
+    from flwr.supercore.heartbeat import HeartbeatSender
+
+    def ended_sender() -> HeartbeatSender:
+        sender = HeartbeatSender(lambda: (_ for _ in ()).throw(RuntimeError("Invalid node ID")))
+        sender.start()
+        sender._thread.join(timeout=10)  # the thread died of the refusal  # noqa: SLF001
+        assert not sender._thread.is_alive()  # noqa: SLF001
+        return sender
+
+    with pytest.raises(RuntimeError, match="Heartbeat sender is not running"):
+        ended_sender().stop()  # Flower's own stop
+    monkeypatch.setattr(HeartbeatSender, "stop", HeartbeatSender.stop)  # restored after the test
+    fast_supernode.tolerant_heartbeat_stop()
+    sender = ended_sender()
+    sender.stop()
+    assert not sender.is_running
+    beats: list[float] = []
+    running = HeartbeatSender(lambda: beats.append(time.monotonic()) or True)
+    running.start()
+    running.stop()  # a live sender is still stopped and joined
+    assert not running._thread.is_alive() and beats  # noqa: SLF001
