@@ -76,7 +76,7 @@ DEVELOPMENT_TALK = [
     re.compile(r"development machines?", re.I),
     re.compile(r"\blent\b", re.I),
     re.compile(r"\bissues? \d+", re.I),
-    re.compile(r"this session", re.I),
+    re.compile(r"\b(?:this|an earlier|a later|the last|the next) sessions?\b", re.I),
     re.compile(r"unreachable here", re.I),
     re.compile(r"\bCI machines?", re.I),
     re.compile(r"machines? this project", re.I),
