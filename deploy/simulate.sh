@@ -14,6 +14,19 @@ while [ $# -gt 0 ]; do
 done
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_DISABLE_UPDATE_CHECK=1
 app_dir="$(cd "$(dirname "$0")/.." && pwd)"
+# `flwr run` hands the run to whichever local SuperLink holds Flower's local ports
+# (127.0.0.1:39091/39093): one started from another checkout or by another user would run this
+# app with its own interpreter and packages, as its own user. Refuse instead.
+superlink="$(command -v flower-superlink || true)"
+[ -n "$superlink" ] || { echo "simulate.sh: flower-superlink not found: install the project (make install)" >&2; exit 1; }
+foreign="$(ps -eo pid=,user=,args= | grep -E '[f]lower-superlink .*--simulation' | grep -vF " $superlink " || true)"
+if [ -n "$foreign" ]; then
+  echo "simulate.sh: a local SuperLink of another Python environment or user holds Flower's local ports" \
+       "and would run this app with its own interpreter:" >&2
+  echo "$foreign" | sed 's/^/    /' >&2
+  echo "stop it (\`make stop\` in its checkout, or kill its PID) and run again" >&2
+  exit 1
+fi
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 flwr run "$app_dir" --stream ${run_config:+--run-config "$run_config"} \

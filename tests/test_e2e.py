@@ -180,3 +180,23 @@ def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
     assert (run_dir / "confidence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with np.load(run_dir / "final_state.npz") as state:
         assert any("scale" in key for key in state.files)  # every client's posterior scales
+
+
+def test_simulate_sh_refuses_a_local_superlink_of_another_environment(tmp_path):
+    """`make run` (deploy/simulate.sh) does not hand its run to a local SuperLink that another
+    checkout or user started: that one would run the app with its own interpreter, as its own
+    user. It names the process and stops before submitting anything."""
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                "/opt/another-checkout/.venv/bin/flower-superlink", "--insecure", "--simulation"])
+    try:
+        env = {**os.environ, "PATH": f"{Path(FLWR).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               "FLWR_HOME": str(tmp_path / "home")}
+        result = subprocess.run(["bash", str(ROOT / "deploy" / "simulate.sh"), "--clients", "2"], env=env,
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        foreign.kill()
+        foreign.wait()
+    assert result.returncode == 1
+    assert "a local SuperLink of another Python environment or user" in result.stderr
+    assert f"{foreign.pid} " in result.stderr and "make stop" in result.stderr
+    assert "Successfully started run" not in result.stdout and not (tmp_path / "home").exists()
