@@ -361,7 +361,7 @@ def _load_npz_split(path: Path, num_classes: int | None = None) -> tuple[np.ndar
 
 
 def _load_image_folder(directory: Path, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    from PIL import Image  # pylint: disable=import-outside-toplevel  # comes with torchvision
+    from PIL import Image  # pylint: disable=import-outside-toplevel
 
     if not directory.is_dir():
         raise DataError(f"{directory} does not exist: a client data folder with train/ image folders "

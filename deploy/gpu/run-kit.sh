@@ -145,7 +145,7 @@ step_smoke() {  # what every later step imports, from the interpreter they use
   (cd "$root" && "$py" - <<'EOF'
 import importlib, sys
 versions = {}
-for name in ("torch", "torchvision", "numpy", "flwr", "grpc", "cvxpy", "datasets", "flwr_datasets", "matplotlib",
+for name in ("torch", "numpy", "flwr", "grpc", "cvxpy", "datasets", "flwr_datasets", "matplotlib",
              "scipy", "pyarrow", "threadpoolctl"):
     module = importlib.import_module(name)
     versions[name] = getattr(module, "__version__", "?")
