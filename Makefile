@@ -49,7 +49,7 @@ test: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12
 
-stop:  # the local SuperLink that `flwr run` starts keeps running after the run
+stop:  # the local SuperLink that a plain `flwr run .` starts keeps running after the run (make run stops its own)
 	-pkill -f "flower-superlink.*--simulation"
 
 clean: stop

@@ -27,8 +27,21 @@ if [ -n "$foreign" ]; then
   echo "stop it (\`make stop\` in its checkout, or kill its PID) and run again" >&2
   exit 1
 fi
+# The local SuperLink that `flwr run` starts keeps running after the run; one this script
+# started is stopped with it, so that nothing of this checkout stays behind on Flower's ports.
+ours() { ps -eo pid=,args= | grep -E '[f]lower-superlink .*--simulation' | grep -F " $superlink " | awk '{print $1}' || true; }
+started_here=0
+[ -n "$(ours)" ] || started_here=1
 log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+cleanup() {
+  rm -f "$log"
+  if [ "$started_here" = 1 ]; then
+    local pids
+    pids="$(ours)"
+    [ -z "$pids" ] || kill $pids 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
 flwr run "$app_dir" --stream ${run_config:+--run-config "$run_config"} \
   --federation-config "num-supernodes=$clients client-resources-num-cpus=1" | tee "$log"
 run_id="$(grep -oE 'Successfully started run [0-9]+' "$log" | grep -oE '[0-9]+$' || true)"
