@@ -50,7 +50,7 @@ test: install
 	$(VENV)/bin/python -m pytest --durations=12
 
 stop:  # the local SuperLink that a plain `flwr run .` starts keeps running after the run (make run stops its own)
-	-pkill -f "flower-superlink.*--simulation"
+	-pkill -f "$(CURDIR)/$(VENV)/bin/flower-superlink .*--simulation"
 
 clean: stop
 	rm -rf $(VENV) outputs
