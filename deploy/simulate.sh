@@ -19,7 +19,8 @@ app_dir="$(cd "$(dirname "$0")/.." && pwd)"
 # app with its own interpreter and packages, as its own user. Refuse instead.
 superlink="$(command -v flower-superlink || true)"
 [ -n "$superlink" ] || { echo "simulate.sh: flower-superlink not found: install the project (make install)" >&2; exit 1; }
-foreign="$(ps -eo pid=,user=,args= | grep -E '[f]lower-superlink .*--simulation' | grep -vF " $superlink " || true)"
+local_superlinks() { ps -eo pid=,user=,args= | grep -E '[f]lower-superlink .*--simulation' || true; }
+foreign="$(local_superlinks | grep -vF " $superlink " || true)"
 if [ -n "$foreign" ]; then
   echo "simulate.sh: a local SuperLink of another Python environment or user holds Flower's local ports" \
        "and would run this app with its own interpreter:" >&2
@@ -29,7 +30,7 @@ if [ -n "$foreign" ]; then
 fi
 # The local SuperLink that `flwr run` starts keeps running after the run; one this script
 # started is stopped with it, so that nothing of this checkout stays behind on Flower's ports.
-ours() { ps -eo pid=,args= | grep -E '[f]lower-superlink .*--simulation' | grep -F " $superlink " | awk '{print $1}' || true; }
+ours() { local_superlinks | grep -F " $superlink " | awk '{print $1}' || true; }
 started_here=0
 [ -n "$(ours)" ] || started_here=1
 log="$(mktemp)"
