@@ -2,7 +2,7 @@
 #   make run    set up, then train FedPAC on the embedded MNIST data (10 simulated clients)
 #   make test   set up, then lint (ruff), type-check (mypy) and run the test suite; a test whose
 #               prerequisite this machine lacks (Docker, root, Fashion-MNIST) is skipped, and
-#               pytest's summary says which and why
+#               pytest's summary says which and why (make test-fast: the quick tier alone)
 # And once, as root on Debian/Ubuntu, for the tests that need more than Python (CI runs it first):
 #   make provision   a Docker engine, debootstrap, iproute2, iptables, the compose plugin and the
 #                    full Fashion-MNIST
@@ -15,7 +15,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install provision run test stop clean
+.PHONY: install provision run test test-fast stop clean
 
 # Every version from the lock file. TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the
 # locked torch from PyTorch's CPU builds instead (no CUDA libraries: about 1 GB less than 6).
@@ -48,6 +48,12 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12
+
+# The quick tier: the unit and in-process tests (no Flower process, network, Docker or GPU), the
+# ones to run while changing code. make test runs them too.
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -m "not e2e" --durations=5
 
 stop:  # the local SuperLink that a plain `flwr run .` starts keeps running after the run (make run stops its own)
 	-pkill -f "$(CURDIR)/$(VENV)/bin/flower-superlink .*--simulation"

