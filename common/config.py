@@ -8,6 +8,7 @@ range in the message, on whichever side reads it first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -191,7 +192,14 @@ def _coerce(key: str, value: Any, target: type) -> Any:
             return int(value)
     elif target is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            # +inf passes every "> 0" bound, and a step size, rate or scale of inf trains NaN
+            try:
+                number = float(value)
+            except OverflowError:  # an int past the largest float
+                number = math.inf
+            if math.isfinite(number):
+                return number
+            raise ConfigError(f"run config '{key}' = {value!r} is invalid: must be a finite number")
     elif target is str:
         if isinstance(value, str):
             return value
@@ -320,7 +328,8 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.drift == "none" or cfg.num_classes >= MIN_CLASSES, k("drift"), cfg.drift,
            f"'none' for fewer than {MIN_CLASSES} classes (the drift swaps labels up to {MIN_CLASSES - 1})")
     _check(cfg.save_model_every >= 0, k("save_model_every"), cfg.save_model_every, ">= 0")
-    _check(cfg.seed >= 0, k("seed"), cfg.seed, ">= 0")
+    # the clients seed their torch generators with seed * 1_000_003 + ..., which must fit 64 bits
+    _check(0 <= cfg.seed < 2**32, k("seed"), cfg.seed, "in [0, 2**32)")
     _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
 
@@ -352,7 +361,7 @@ def _channel_values(text: str, channels: int, positive: bool = False) -> tuple[f
         values = tuple(float(part) for part in text.split(","))
     except ValueError:
         return None
-    if len(values) != channels or any(v != v or (positive and v <= 0) for v in values):
+    if len(values) != channels or any(not math.isfinite(v) or (positive and v <= 0) for v in values):
         return None
     return values
 
