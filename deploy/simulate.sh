@@ -40,6 +40,11 @@ cleanup() {
     local pids
     pids="$(ours)"
     [ -z "$pids" ] || kill $pids 2>/dev/null || true
+    # Return once it is gone (its shutdown takes seconds): a `make run` right after this one
+    # would otherwise take the dying SuperLink for one already running, and not stop its own.
+    for pid in $pids; do
+      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    done
   fi
 }
 trap cleanup EXIT
