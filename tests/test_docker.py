@@ -10,6 +10,7 @@ the Python wheels come from the host (deploy/build-images.sh --wheelhouse).
 from __future__ import annotations
 
 import csv
+import hashlib
 import ipaddress
 import json
 import os
@@ -167,5 +168,115 @@ def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
         networks = _docker("network", "ls", "--filter", f"label=com.docker.compose.project={PROJECT}",
                            "--format", "{{.Name}} {{.Internal}}").stdout.split("\n")
         assert all(line.endswith("true") for line in networks if line), networks
+        check_isolation(cluster, certs, clients=3)
     finally:
         cluster("down", "--volumes", "--timeout", "20")
+
+
+# The services whose containers run the app's code (the ServerApp's and each client's executor).
+EXECUTORS = ("serverapp", "clientapp-0", "clientapp-1", "clientapp-2")
+
+
+def container_of(cluster: Cluster, service: str) -> str:
+    container = cluster("ps", "-q", service).strip()
+    assert container, f"{service} is not running"
+    return container
+
+
+def key_files(certs: Path) -> dict[str, Path]:
+    """The federation's private keys as certs.sh made them, by the SHA-256 of their contents."""
+    keys = [certs / "ca.key", certs / "superlink.key", *sorted((certs / "keys").glob("supernode-[0-9]"))]
+    return {hashlib.sha256(key.read_bytes()).hexdigest(): key for key in keys if key.is_file()}
+
+
+def keys_inside(container: str, keys: dict[str, Path]) -> list[str]:
+    """What in the running container is or looks like a private key: a copy of one of the
+    federation's keys anywhere in its file system (mounted or written), a file named *.key, or
+    PEM/OpenSSH private key contents in a mounted folder or the app's."""
+    mounts = json.loads(_docker("inspect", "--format", "{{json .Mounts}}", container).stdout)
+    mounted = [mount["Destination"] for mount in mounts]
+    folders = " ".join(sorted({*mounted, "/app", "/tmp", "/opt/fedpac", "/root", "/home"}))
+    script = (
+        # small files only: a key is a few hundred bytes, and the app image holds a GB of wheels
+        "find / \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f -size -64k -print0 "
+        "| xargs -0 sha256sum 2>/dev/null | sed 's/^/hash /'; "
+        "find / \\( -path /proc -o -path /sys -o -path /dev -o -path /opt/venv \\) -prune -o -name '*.key' -print "
+        "| sed 's/^/named /'; "
+        f"grep -rlsI 'PRIVATE KEY' {folders} | sed 's/^/pem /'; true"
+    )
+    found = []
+    for line in _docker("exec", "-u", "0", container, "sh", "-c", script, timeout=300).stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "hash":
+            digest, _, path = rest.partition("  ")
+            if digest in keys:
+                found.append(f"{path} (a copy of {keys[digest].name})")
+        elif kind in ("named", "pem"):
+            found.append(rest)
+    return sorted(set(found))
+
+
+def check_isolation(cluster: Cluster, certs: Path, clients: int) -> None:
+    """docs/DEPLOYMENT.md and docs/SECURITY.md, on the running containers rather than the compose
+    file: the executors that run app code hold no private key (only each SuperNode holds its
+    own), each client's executor shares a network with its own SuperNode alone, and only the
+    ServerApp's executor and the SuperNodes reach the SuperLink. Every breach is listed at once."""
+    keys = key_files(certs)
+    assert len(keys) == clients + 2, keys  # the CA's, the SuperLink's and every SuperNode's
+    services = ["superlink", *EXECUTORS, *[f"supernode-{i}" for i in range(clients)]]
+    containers = {service: container_of(cluster, service) for service in services}
+    breaches = [f"{service} holds a private key: {found}" for service in EXECUTORS
+                if (found := keys_inside(containers[service], keys))]
+    # the search finds a key where there is one: a SuperNode signs with its own, and only its own
+    for i in range(clients):
+        found = keys_inside(containers[f"supernode-{i}"], keys)
+        copies = [item for item in found if "(a copy of" in item]
+        if copies != [f"/certs/supernode.key (a copy of supernode-{i})"]:
+            breaches.append(f"supernode-{i} holds {copies}, not its own key alone")
+
+    networks = {service: set(networks_of(container)) for service, container in containers.items()}
+    expected = {"superlink": {"fleet", "control"}, "serverapp": {"fleet"},
+                **{f"supernode-{i}": {"fleet", f"client-{i}"} for i in range(clients)},
+                **{f"clientapp-{i}": {f"client-{i}"} for i in range(clients)}}
+    breaches += [f"{service} is on networks {sorted(networks[service])}, expected {sorted(expected[service])}"
+                 for service in services if networks[service] != expected[service]]
+
+    def peers(service: str) -> set[str]:
+        return {other for other in services if other != service and networks[other] & networks[service]}
+
+    if peers("superlink") != {"serverapp", *[f"supernode-{i}" for i in range(clients)]}:
+        breaches.append(f"the SuperLink shares a network with {sorted(peers('superlink'))}")
+    # and the packets agree: from a client's executor only its own SuperNode answers, by name or
+    # by address (the SuperLink's and the other SuperNodes' are on networks it has no route to)
+    addresses = {service: list(networks_of(container).values()) for service, container in containers.items()}
+    for i in range(clients):
+        if peers(f"clientapp-{i}") != {f"supernode-{i}"}:
+            breaches.append(f"clientapp-{i} shares a network with {sorted(peers(f'clientapp-{i}'))}")
+        targets = [(f"supernode-{i}", 9094), ("superlink", 9092), ("superlink", 9093)]
+        targets += [(address, 9092) for address in addresses["superlink"]]
+        targets += [(address, 9094) for j in range(clients) if j != i for address in addresses[f"supernode-{j}"]]
+        args = [str(item) for target in targets for item in target]
+        answers = _docker("exec", containers[f"clientapp-{i}"], "python", "-c", PROBE, *args, timeout=120).stdout
+        reached = {(host, int(port)) for host, port, state, *_ in map(str.split, answers.splitlines())
+                   if state == "open"}
+        if reached != {(f"supernode-{i}", 9094)}:
+            breaches.append(f"clientapp-{i} reaches {sorted(reached)}:\n{answers}")
+    assert not breaches, "\n".join(breaches)
+
+
+# Run in a container: try each (host, port) of argv, and say which answered.
+PROBE = """\
+import socket, sys
+for host, port in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        print(host, port, "open")
+    except OSError as err:
+        print(host, port, "closed", type(err).__name__)
+"""
+
+
+def networks_of(container: str) -> dict[str, str]:
+    """The compose networks a running container is on, and its address on each."""
+    attached = json.loads(_docker("inspect", "--format", "{{json .NetworkSettings.Networks}}", container).stdout)
+    return {name.removeprefix(f"{PROJECT}_"): network["IPAddress"] for name, network in attached.items()}
