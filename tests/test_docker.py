@@ -129,6 +129,7 @@ class Cluster:
                               capture_output=True, text=True).stdout
 
 
+@pytest.mark.e2e
 def test_compose_cluster_runs_fedpac_with_tls_and_node_auth(images, tmp_path):
     subnet, certs, data = unrouted_subnet(), tmp_path / "certs", tmp_path / "data"
     cluster = Cluster(tmp_path, certs, data, subnet)
