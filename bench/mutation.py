@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / ".mutation", help="the copy the run happens in")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mutation")
     parser.add_argument("--only", nargs="+", default=list(SCOPE), help="glob patterns of files to mutate")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the run in --work (the mutants it has not tested yet), no fresh copy")
     parser.add_argument("--report-only", action="store_true", help="summarize the last run in --work")
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this score")
     args = parser.parse_args(argv)
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work.resolve()
     wall = None
     if not args.report_only:
-        prepare(work, args.only)
+        if not args.resume:
+            prepare(work, args.only)
         started = time.monotonic()
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         run = subprocess.run([sys.executable, "-c", LAUNCHER, "run", "--max-children", str(args.jobs)],
