@@ -109,7 +109,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         A round aggregates only with at least this many valid training replies; otherwise the
         global state stays as it is and the next round tries again.
     max_failed_rounds : int
-        After this many such rounds in a row the run stops with a clear message.
+        How many such rounds in a row are tolerated: the next one stops the run with a clear
+        message (0: the first one does).
     qp_solver : str
         ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
         ``cvxpy`` (one cvxpy solve per client, the reference).
