@@ -51,8 +51,16 @@ def flower_env(tmp_path_factory):
     }
     yield env
     result = subprocess.run(["pgrep", "-f", f"flower-superlink.*{home}"], capture_output=True, text=True)
-    for pid in result.stdout.split():
-        os.kill(int(pid), signal.SIGTERM)
+    pids = [int(pid) for pid in result.stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    # Gone before the next test module starts: one still shutting down holds Flower's local ports.
+    deadline = time.monotonic() + 20
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        time.sleep(0.2)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
 
 def flwr_run(env, run_config: str, num_supernodes: int, timeout: float = 900) -> tuple[str, str]:

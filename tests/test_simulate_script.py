@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,12 @@ TINY = ("num-server-rounds=1 samples-per-client=20 test-samples-per-client=10 mi
 def script_env(tmp_path_factory):
     """Its own FLWR_HOME, this environment's `flwr` first on PATH (as `make run` sets it), and no
     local SuperLink already on Flower's machine-wide ports: the script would hand its run to it."""
-    running = subprocess.run(["pgrep", "-af", "flower-superlink.*--simulation"], capture_output=True,
-                             text=True).stdout.splitlines()
+    deadline = time.monotonic() + 20  # one that an earlier test stopped may still be shutting down
+    while running := subprocess.run(["pgrep", "-af", "flower-superlink.*--simulation"], capture_output=True,
+                                    text=True).stdout.splitlines():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if running:
         pytest.fail("a local SuperLink is running (another test or `make run`?); stop it and run again:\n"
                     + "\n".join(running), pytrace=False)
