@@ -69,9 +69,8 @@ sys.argv[0] = "mutmut"
 cli()
 """
 
+# mutmut's own names for a mutant's status (`mutmut results`)
 KILLED, SURVIVED, NO_TESTS, TIMEOUT, SKIPPED = "killed", "survived", "no tests", "timeout", "skipped"
-STATUS_BY_EXIT_CODE = {1: KILLED, 3: KILLED, 0: SURVIVED, 5: NO_TESTS, 33: NO_TESTS, 34: SKIPPED,
-                       36: TIMEOUT, -24: TIMEOUT, 24: TIMEOUT, 152: TIMEOUT, 255: TIMEOUT}
 
 
 def mutmut_config(only: list[str]) -> str:
@@ -108,15 +107,18 @@ def prepare(work: Path, only: list[str]) -> None:
     pyproject.write_text(pyproject.read_text() + mutmut_config(only))
 
 
-def results(work: Path) -> dict[str, dict[str, str]]:
-    """Each mutated file's mutants and their status, from mutmut's .meta files."""
+def results(work: Path, mutmut: str) -> dict[str, dict[str, str]]:
+    """Each mutated file's mutants and their status, as ``mutmut results --all`` names them
+    (``common.config.x__coerce__mutmut_3: killed``: the module, then the mangled function)."""
+    listed = subprocess.run([mutmut, "results", "--all", "true"], cwd=work, check=True, capture_output=True,
+                            text=True).stdout
     by_file: dict[str, dict[str, str]] = {}
-    for meta in sorted((work / "mutants").rglob("*.py.meta")):
-        source = meta.relative_to(work / "mutants").as_posix().removesuffix(".meta")
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        by_file[source] = {name: STATUS_BY_EXIT_CODE.get(code, "suspicious") if code is not None
-                           else "not checked" for name, code in codes.items()}
-    return by_file
+    for line in listed.splitlines():
+        name, _, status = line.strip().partition(": ")
+        if status:
+            module = name.rsplit(".", 1)[0]
+            by_file.setdefault(module.replace(".", "/") + ".py", {})[name] = status
+    return dict(sorted(by_file.items()))
 
 
 def score(counts: collections.Counter) -> float:
@@ -138,7 +140,7 @@ def diff_of(work: Path, name: str, mutmut: str) -> str:
 
 
 def write_report(work: Path, out: Path, mutmut: str, wall: float | None) -> dict:
-    by_file = results(work)
+    by_file = results(work, mutmut)
     triage = load_triage()
     totals: collections.Counter = collections.Counter()
     files = {}
