@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.deployment import process_gone
+
 ROOT = Path(__file__).resolve().parents[1]
 FLWR = str(Path(sys.executable).with_name("flwr"))
 pytestmark = pytest.mark.e2e
@@ -57,7 +59,7 @@ def flower_env(tmp_path_factory):
     # Gone before the next test module starts: one still shutting down holds Flower's local ports.
     deadline = time.monotonic() + 20
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        pids = [pid for pid in pids if not process_gone(pid)]
         time.sleep(0.2)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
