@@ -1,26 +1,29 @@
 """Mutation testing: how many small deliberate bugs in the product the quick tests catch.
 
 mutmut (https://github.com/boxed/mutmut) puts one small change at a time into a copy of the code
-(``+`` for ``-``, ``<`` for ``<=``, a constant off by one, a call's argument dropped, a string
-changed, ...) and runs the tests that cover the changed function against it; a mutant that no test
-fails on *survived*. The score is the share of mutants killed (a timeout counts as killed, as in
-mutmut's own score). It runs over the core of the product and the code around it (``SCOPE``)
-against the quick tier (``make test-fast``: the tests not marked ``e2e``).
+(``+`` for ``-``, ``<`` for ``<=``, a constant off by one, a call's argument dropped, a condition
+negated, ...) and runs the tests that reach the changed function against it; a mutant that every
+one of them passes *survived*. The score is the share of mutants killed (a timeout counts as
+killed, as in mutmut's own score). The scope is the core of the product and the code around it,
+in ``GROUPS``: each group of files is tested against the quick-tier test files written for it.
 
 Why mutmut: it is maintained and the most used mutation tool for Python; it runs each mutant in a
 process forked from one that has already imported torch and Flower, and only the tests that
-reach the mutated function (from one traced run of the suite), which is what makes thousands of
-mutants affordable on a small machine. cosmic-ray starts the test command afresh for every mutant
-and runs the whole selection each time.
+reach the mutated function (from one traced run of the group's tests), with ``-x``. cosmic-ray
+starts the test command afresh for every mutant and runs the whole selection each time.
 
-    python bench/mutation.py [--jobs 2] [--work DIR] [--out bench/results/mutation]
-                             [--only 'common/simplex_qp.py' ...] [--min-score 85]
+    python bench/mutation.py [--jobs 2] [--sample 400 [--seed 0]] [--groups config ...]
+                             [--work DIR] [--out bench/results/mutation] [--min-score 85]
+    python bench/mutation.py --resume        # go on with an interrupted run
+    python bench/mutation.py --report-only   # summarize the last run again (after triage)
 
-The run happens in a fresh copy of the working tree (``--work``, kept afterwards for ``mutmut show
-NAME``, and for ``mutmut run`` there, which retests only what changed). It
+The scope holds about 7,400 mutants; a survivor runs all its group's tests that reach it, so
+testing every one takes a day on two cores. ``--sample N`` tests N of them, each file's share in
+proportion to its size, and reports the score with its 95 % interval. Each group runs in its own
+copy of the working tree under ``--work`` (kept afterwards for ``mutmut show NAME`` there). The run
 writes ``summary.json`` (score, counts per file) and ``survivors.md`` (every survivor's diff, with
 its verdict from ``bench/mutation_triage.toml`` where one is given) under ``--out``. It is a
-benchmark, not a test: a run over the whole scope takes hours on two cores.
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -28,60 +31,93 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIAGE = ROOT / "bench" / "mutation_triage.toml"
 
-# The core (the math, the config, the data and partitions, the records a run is built from) and
-# the code around it that decides what a client computes and what the server accepts.
-SCOPE = (
-    "common/*.py",
-    "client_app/train.py",
-    "server_app/replies.py",
-    "server_app/strategy.py",
-)
-# Modules whose every line is I/O or process plumbing that the e2e tier tests (each is exercised
-# by the deployment tests, not by quick tests): mutating them measures the tiers' split, not the tests.
+# What is mutated, in groups, each with the quick-tier test files written for that code. A mutant
+# is run against its group's tests only (those that reach the mutated function), so a mutant that
+# only some unrelated test would catch counts as a survivor: the score is a lower bound. It is
+# what makes a run affordable: a survivor in the config parser would otherwise run every test
+# that starts a federation.
+GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "collaboration": (
+        ("common/simplex_qp.py", "common/collaboration.py", "common/statistics.py", "common/aggregation.py"),
+        ("test_simplex_qp.py", "test_collaboration.py", "test_statistics.py", "test_aggregation.py",
+         "test_bench_reference.py", "test_operator.py"),
+    ),
+    "concept-drift": (("common/clustering.py", "common/drift.py"), ("test_clustering.py", "test_drift.py")),
+    "variational": (("common/variational.py",), ("test_variational.py", "test_pfedvem.py")),
+    "config": (("common/config.py",), ("test_config.py", "test_config_table.py")),
+    "data": (("common/data.py", "common/partition.py"),
+             ("test_data.py", "test_partition.py", "test_vem_partitions.py")),
+    "sites": (("common/sites.py",), ("test_sites.py", "test_operator.py")),
+    "client": (("client_app/train.py", "common/methods.py", "common/model.py"),
+               ("test_train.py", "test_learning.py", "test_baselines.py")),
+    "server": (("server_app/replies.py", "server_app/strategy.py", "common/protocol.py"),
+               ("test_strategy.py", "test_reply_table.py", "test_bad_replies.py", "test_operations.py",
+                "test_resume.py", "test_learning.py")),
+}
+# Modules whose every line is I/O or process plumbing that the e2e tier tests: mutating them
+# measures the tiers' split, not the tests.
 OUT_OF_SCOPE = ("common/cpu.py", "common/files.py")
-# test_dependencies reads the source's imports, and every mutated module imports mutmut's
-# trampoline: it tests the repository, not the product's behaviour, so it sits this out.
-QUICK_TIER = ["-m", "not e2e and not cuda", "--ignore=tests/test_dependencies.py", "tests/"]
+QUICK_TIER_MARKS = ["-m", "not e2e and not cuda"]
 
 # mutmut with one operator left out: string literals. Here they are messages (log lines, errors
 # whose tests match a fragment) and protocol keys that both sides read from one constant, so
 # "XX" + s + "XX" survives without a bug; PIT, the reference tool for Java, has no string
 # mutator by default either.
-LAUNCHER = """
+PRELUDE = """
 import sys
 import libcst
 from mutmut.mutation import mutators
 mutators.mutation_operators[:] = [(node, op) for node, op in mutators.mutation_operators
                                   if node is not libcst.BaseString]
+"""
+LAUNCHER = PRELUDE + """
 from mutmut.__main__ import cli
 sys.argv[0] = "mutmut"
 cli()
 """
+# The mutants alone, not tested (mutmut run generates them, then runs every test once to see
+# which tests reach which function): a sample is drawn from them first.
+GENERATOR = PRELUDE + """
+from mutmut import __main__ as m
+m.set_mutant_under_test("mutant_generation")
+m.makedirs(m.Path("mutants"), exist_ok=True)
+m.copy_src_dir()
+m.copy_also_copy_files()
+m.setup_source_paths()
+m.create_mutants(1)
+"""
 
 # mutmut's own names for a mutant's status (`mutmut results`)
 KILLED, SURVIVED, NO_TESTS, TIMEOUT, SKIPPED = "killed", "survived", "no tests", "timeout", "skipped"
+NOT_CHECKED = "not checked"
 
 
-def mutmut_config(only: list[str]) -> str:
-    """The ``[tool.mutmut]`` table for the copy's pyproject.toml."""
+def mutmut_config(sources: tuple[str, ...], tests: tuple[str, ...]) -> str:
+    """The ``[tool.mutmut]`` table for a group's copy's pyproject.toml."""
     table = {
         "source_paths": ["common/", "client_app/", "server_app/"],
-        "only_mutate": only,
+        "only_mutate": list(sources),
         "do_not_mutate": list(OUT_OF_SCOPE),
         "also_copy": ["deploy/", "fedpac_data/", "experiments/", "bench/"],
-        "pytest_add_cli_args_test_selection": QUICK_TIER,
+        "pytest_add_cli_args_test_selection": [*QUICK_TIER_MARKS, *(f"tests/{name}" for name in tests)],
         "pytest_add_cli_args": ["-p", "no:cacheprovider"],
+        # Forked straight from the process that ran the suite, a mutant's tests hang in torch's
+        # thread pool (its threads do not survive a fork) and count as "timeout", i.e. killed.
+        "process_isolation": "forkserver",
     }
     return "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
 
@@ -98,13 +134,14 @@ def copy_working_tree(work: Path) -> None:
             shutil.copy2(source, target)
 
 
-def prepare(work: Path, only: list[str]) -> None:
-    """A fresh copy of the tree with mutmut configured."""
+def prepare(work: Path, group: str) -> None:
+    """A fresh copy of the tree with mutmut configured for ``group``, its mutants generated."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     copy_working_tree(work)
     pyproject = work / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text() + mutmut_config(only))
+    pyproject.write_text(pyproject.read_text() + mutmut_config(*GROUPS[group]))
+    subprocess.run([sys.executable, "-c", GENERATOR], cwd=work, check=True, stdout=subprocess.DEVNULL)
 
 
 def results(work: Path, mutmut: str) -> dict[str, dict[str, str]]:
@@ -121,10 +158,38 @@ def results(work: Path, mutmut: str) -> dict[str, dict[str, str]]:
     return dict(sorted(by_file.items()))
 
 
+def stratified_sample(by_file: dict[str, list[str]], size: int, seed: int) -> list[str]:
+    """``size`` mutants, each file's share in proportion to its mutants (at least one from a file
+    that has any), drawn with ``seed``: the score of a sample estimates the whole scope's."""
+    total = sum(len(names) for names in by_file.values())
+    if size >= total:
+        return sorted(name for names in by_file.values() for name in names)
+    rng = random.Random(seed)
+    chosen: list[str] = []
+    for _, names in sorted(by_file.items()):
+        share = max(1, round(size * len(names) / total)) if names else 0
+        chosen += rng.sample(sorted(names), min(share, len(names)))
+    return sorted(chosen)
+
+
+def tested(counts: collections.Counter) -> int:
+    return sum(counts.values()) - counts[SKIPPED] - counts[NOT_CHECKED]
+
+
 def score(counts: collections.Counter) -> float:
-    """mutmut's score: killed or timed out, among the mutants not skipped."""
-    tested = sum(counts.values()) - counts[SKIPPED]
-    return 100.0 * (counts[KILLED] + counts[TIMEOUT]) / tested if tested else 0.0
+    """mutmut's score: killed or timed out, among the mutants tested and not skipped."""
+    return 100.0 * (counts[KILLED] + counts[TIMEOUT]) / tested(counts) if tested(counts) else 0.0
+
+
+def wilson_interval(killed: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % interval of a score estimated from ``n`` sampled mutants (Wilson's, which stays
+    inside [0, 100] near the ends)."""
+    if n == 0:
+        return 0.0, 100.0
+    p = killed / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return round(100 * (centre - half), 1), round(100 * (centre + half), 1)
 
 
 def load_triage() -> dict[str, str]:
@@ -139,68 +204,105 @@ def diff_of(work: Path, name: str, mutmut: str) -> str:
     return shown.stdout.strip() or shown.stderr.strip()
 
 
-def write_report(work: Path, out: Path, mutmut: str, wall: float | None) -> dict:
-    by_file = results(work, mutmut)
+def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | None) -> dict[str, Any]:
     triage = load_triage()
     totals: collections.Counter = collections.Counter()
-    files = {}
-    for source, statuses in by_file.items():
-        counts = collections.Counter(statuses.values())
-        totals.update(counts)
-        files[source] = {"mutants": len(statuses), "score": round(score(counts), 2), **counts}
-    survivors = sorted(name for statuses in by_file.values() for name, s in statuses.items()
-                       if s in (SURVIVED, NO_TESTS, "suspicious"))
-    summary = {
+    files, survivors = {}, []
+    for group, work in works.items():
+        for source, statuses in results(work, mutmut).items():
+            counts = collections.Counter(statuses.values())
+            totals.update(counts)
+            files[source] = {"group": group, "mutants": len(statuses), "tested": tested(counts),
+                             "score": round(score(counts), 2), **counts}
+            survivors += [(name, status, group) for name, status in sorted(statuses.items())
+                          if status in (SURVIVED, NO_TESTS, "suspicious")]
+    killed = totals[KILLED] + totals[TIMEOUT]
+    sampled = totals[NOT_CHECKED] > 0
+    summary: dict[str, Any] = {
         "score": round(score(totals), 2),
+        "interval_95": wilson_interval(killed, tested(totals)) if sampled else None,
         "mutants": sum(totals.values()),
+        "tested": tested(totals),
         "counts": dict(totals),
         "survivors": len(survivors),
-        "survivors_triaged": sum(name in triage for name in survivors),
-        "equivalent": sum(triage.get(name, "").startswith("equivalent") for name in survivors),
+        "survivors_triaged": sum(name in triage for name, _, _ in survivors),
+        "equivalent": sum(triage.get(name, "").startswith("equivalent") for name, _, _ in survivors),
         "wall_seconds": wall,
-        "tests": " ".join(QUICK_TIER),
-        "files": files,
+        "tests": {group: [*QUICK_TIER_MARKS, *tests] for group, (_, tests) in GROUPS.items() if group in works},
+        "files": dict(sorted(files.items())),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [f"# Surviving mutants ({len(survivors)} of {summary['mutants']}; score {summary['score']} %)", ""]
-    for name in survivors:
-        status = next(s[name] for s in by_file.values() if name in s)
-        verdict = triage.get(name, "not triaged")
-        lines += [f"## {name} ({status})", "", f"Verdict: {verdict}", "", "```diff",
-                  diff_of(work, name, mutmut), "```", ""]
+    interval = f", 95 % interval {summary['interval_95'][0]}-{summary['interval_95'][1]} %" if sampled else ""
+    lines = [f"# Surviving mutants ({len(survivors)} of {summary['tested']} tested; "
+             f"score {summary['score']} %{interval})", ""]
+    for name, status, group in survivors:
+        lines += [f"## {name} ({status})", "", f"Verdict: {triage.get(name, 'not triaged')}", "", "```diff",
+                  diff_of(works[group], name, mutmut), "```", ""]
     (out / "survivors.md").write_text("\n".join(lines))
     return summary
+
+
+def run_group(work: Path, group: str, mutmut: str, jobs: int) -> None:
+    """Test the mutants of the group's sample that are not tested yet."""
+    sample_file = work / "sample.txt"
+    statuses = {name: status for by in results(work, mutmut).values() for name, status in by.items()}
+    pending = [name for name in sample_file.read_text().split() if statuses.get(name) == NOT_CHECKED]
+    if not pending:
+        return
+    print(f"{group}: {len(pending)} mutants to test", flush=True)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", LAUNCHER, "run", "--max-children", str(jobs), *pending],
+                         cwd=work, env=env, stdout=subprocess.DEVNULL)
+    if run.returncode != 0:
+        print(f"{group}: mutmut run ended with status {run.returncode}; the report covers what it tested",
+              file=sys.stderr)
+
+
+def draw_samples(works: dict[str, Path], mutmut: str, size: int | None, seed: int) -> None:
+    """Each group's share of a ``size``-mutant sample of the whole scope (every mutant without a
+    size), written to its copy's ``sample.txt`` for the run and any resumed run."""
+    by_group = {group: {source: list(statuses) for source, statuses in results(work, mutmut).items()}
+                for group, work in works.items()}
+    scope = sum(len(names) for by_file in by_group.values() for names in by_file.values())
+    for group, by_file in by_group.items():
+        in_group = sum(map(len, by_file.values()))
+        share = in_group if size is None else max(1, round(size * in_group / scope))
+        (works[group] / "sample.txt").write_text("\n".join(stratified_sample(by_file, share, seed)) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
-    parser.add_argument("--work", type=Path, default=ROOT / ".mutation", help="the copy the run happens in")
+    parser.add_argument("--work", type=Path, default=ROOT / ".mutation", help="the copies the run happens in")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mutation")
-    parser.add_argument("--only", nargs="+", default=list(SCOPE), help="glob patterns of files to mutate")
+    parser.add_argument("--groups", nargs="+", choices=sorted(GROUPS), default=list(GROUPS),
+                        help="which groups of files to mutate")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="test this many mutants, drawn in proportion from every file (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--resume", action="store_true",
-                        help="go on with the run in --work (the mutants it has not tested yet), no fresh copy")
+                        help="go on with the run in --work (the sampled mutants not tested yet), no fresh copy")
     parser.add_argument("--report-only", action="store_true", help="summarize the last run in --work")
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this score")
     args = parser.parse_args(argv)
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or shutil.which("mutmut")
     if mutmut is None:
-        parser.error("mutmut is not installed: pip install -c requirements.lock '.[mutation]'")
-    work = args.work.resolve()
+        parser.error("mutmut is not installed: pip install -c requirements.lock '.[test]'")
+    root = args.work.resolve()
+    works = {group: root / group for group in args.groups}
     wall = None
     if not args.report_only:
-        if not args.resume:
-            prepare(work, args.only)
         started = time.monotonic()
-        env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        run = subprocess.run([sys.executable, "-c", LAUNCHER, "run", "--max-children", str(args.jobs)],
-                             cwd=work, env=env)
+        if not args.resume:
+            for group, work in works.items():
+                prepare(work, group)
+            draw_samples(works, mutmut, args.sample, args.seed)
+        for group, work in works.items():
+            run_group(work, group, mutmut, args.jobs)
         wall = round(time.monotonic() - started, 1)
-        if run.returncode != 0:
-            print(f"mutmut run ended with status {run.returncode}; the report covers what it tested", file=sys.stderr)
-    summary = write_report(work, args.out, mutmut, wall)
-    print(json.dumps({k: v for k, v in summary.items() if k != "files"}, indent=1))
+    summary = write_report(works, args.out, mutmut, wall)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("files", "tests")}, indent=1))
     if args.min_score is not None and summary["score"] < args.min_score:
         return 1
     return 0

@@ -78,7 +78,11 @@ def images(docker_engine, tmp_path_factory):
                             "--cpu", "--torch-version", CPU_TORCH, "--torch-index", CPU_TORCH_INDEX],
                            capture_output=True, text=True, timeout=2400, env={**os.environ, "PYTHON": sys.executable})
     if build.returncode:
-        pytest.fail(f"deploy/build-images.sh failed:\n{build.stdout[-2000:]}\n{build.stderr[-4000:]}")
+        # "No space left on device" is the usual cause on a shared build host: say how much is left.
+        free = subprocess.run(["df", "-h", str(ROOT), os.environ.get("FEDPAC_DOCKER_ROOT", "/var/lib")],
+                              capture_output=True, text=True).stdout
+        pytest.fail(f"deploy/build-images.sh failed:\n{build.stdout[-2000:]}\n{build.stderr[-4000:]}\n"
+                    f"disk space now:\n{free}")
 
 
 TEST_OVERRIDE = """\
