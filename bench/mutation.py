@@ -14,7 +14,8 @@ starts the test command afresh for every mutant and runs the whole selection eac
 
     python bench/mutation.py [--jobs 2] [--sample 400 [--seed 0]] [--groups config ...]
                              [--work DIR] [--out bench/results/mutation] [--min-score 85]
-    python bench/mutation.py --resume        # go on with an interrupted run
+    python bench/mutation.py --resume        # go on with an interrupted run (tests refreshed)
+    python bench/mutation.py --resume --retest-survivors   # after adding tests that kill them
     python bench/mutation.py --report-only   # summarize the last run again (after triage)
 
 The scope holds about 7,400 mutants; a survivor runs all its group's tests that reach it, so
@@ -243,11 +244,20 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     return summary
 
 
-def run_group(work: Path, group: str, mutmut: str, jobs: int) -> None:
-    """Test the mutants of the group's sample that are not tested yet."""
+def refresh_tests(work: Path) -> None:
+    """The working tree's tests into a copy made before: a resumed run tests against the tests as
+    they are now (mutmut traces the new ones before it goes on)."""
+    for source in (ROOT / "tests").glob("*.py"):
+        shutil.copy2(source, work / "tests" / source.name)
+
+
+def run_group(work: Path, group: str, mutmut: str, jobs: int, retest: bool = False) -> None:
+    """Test the mutants of the group's sample that are not tested yet (with ``retest``, also the
+    survivors again: after tests were added to kill them)."""
     sample_file = work / "sample.txt"
     statuses = {name: status for by in results(work, mutmut).values() for name, status in by.items()}
-    pending = [name for name in sample_file.read_text().split() if statuses.get(name) == NOT_CHECKED]
+    again = (NOT_CHECKED, SURVIVED, NO_TESTS, "suspicious") if retest else (NOT_CHECKED,)
+    pending = [name for name in sample_file.read_text().split() if statuses.get(name) in again]
     if not pending:
         return
     print(f"{group}: {len(pending)} mutants to test", flush=True)
@@ -283,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--resume", action="store_true",
                         help="go on with the run in --work (the sampled mutants not tested yet), no fresh copy")
+    parser.add_argument("--retest-survivors", action="store_true",
+                        help="with --resume: test the survivors again, against the tests as they are now")
     parser.add_argument("--report-only", action="store_true", help="summarize the last run in --work")
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this score")
     args = parser.parse_args(argv)
@@ -299,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                 prepare(work, group)
             draw_samples(works, mutmut, args.sample, args.seed)
         for group, work in works.items():
-            run_group(work, group, mutmut, args.jobs)
+            if args.resume:
+                refresh_tests(work)
+            run_group(work, group, mutmut, args.jobs, retest=args.retest_survivors)
         wall = round(time.monotonic() - started, 1)
     summary = write_report(works, args.out, mutmut, wall)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("files", "tests")}, indent=1))
