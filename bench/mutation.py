@@ -119,6 +119,9 @@ def mutmut_config(sources: tuple[str, ...], tests: tuple[str, ...]) -> str:
         # Forked straight from the process that ran the suite, a mutant's tests hang in torch's
         # thread pool (its threads do not survive a fork) and count as "timeout", i.e. killed.
         "process_isolation": "forkserver",
+        # A mutant's run starts a pytest session (seconds on a loaded machine) before its first
+        # test: mutmut's 1 s allowance made most of them "timeout", i.e. killed, on two busy cores.
+        "timeout_constant": 30.0,
     }
     return "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
 
@@ -244,11 +247,13 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     return summary
 
 
-def refresh_tests(work: Path) -> None:
-    """The working tree's tests into a copy made before: a resumed run tests against the tests as
-    they are now (mutmut traces the new ones before it goes on)."""
+def refresh(work: Path, group: str) -> None:
+    """The working tree's tests and this script's mutmut settings into a copy made before: a
+    resumed run tests against the tests as they are now (mutmut traces the new ones first)."""
     for source in (ROOT / "tests").glob("*.py"):
         shutil.copy2(source, work / "tests" / source.name)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (work / "pyproject.toml").write_text(pyproject + mutmut_config(*GROUPS[group]))
 
 
 def run_group(work: Path, group: str, mutmut: str, jobs: int, retest: bool = False) -> None:
@@ -256,7 +261,8 @@ def run_group(work: Path, group: str, mutmut: str, jobs: int, retest: bool = Fal
     survivors again: after tests were added to kill them)."""
     sample_file = work / "sample.txt"
     statuses = {name: status for by in results(work, mutmut).values() for name, status in by.items()}
-    again = (NOT_CHECKED, SURVIVED, NO_TESTS, "suspicious") if retest else (NOT_CHECKED,)
+    # a timeout again too: its verdict depends on the machine's load and the timeout settings
+    again = (NOT_CHECKED, TIMEOUT, SURVIVED, NO_TESTS, "suspicious") if retest else (NOT_CHECKED, TIMEOUT)
     pending = [name for name in sample_file.read_text().split() if statuses.get(name) in again]
     if not pending:
         return
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             draw_samples(works, mutmut, args.sample, args.seed)
         for group, work in works.items():
             if args.resume:
-                refresh_tests(work)
+                refresh(work, group)
             run_group(work, group, mutmut, args.jobs, retest=args.retest_survivors)
         wall = round(time.monotonic() - started, 1)
     summary = write_report(works, args.out, mutmut, wall)
