@@ -101,6 +101,33 @@ def _sgd(params, lr: float, cfg: FedPACConfig) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def sgd_epochs(  # pylint: disable=too-many-arguments
+    optimizer: torch.optim.Optimizer,
+    batch_loss: Callable[[torch.Tensor], torch.Tensor],
+    epochs: int,
+    num_samples: int,
+    batch_size: int,
+    generator: torch.Generator,
+    device: torch.device,
+) -> float:
+    """The epoch loop every routine trains with: ``epochs`` passes over a fresh shuffle of the
+    ``num_samples`` samples, one ``optimizer`` step per minibatch on ``batch_loss(indices)``.
+
+    Returns the mean loss over every sample seen (0 when no epoch ran). The running sum stays on
+    the device: reading a loss back every step would wait for the GPU each time.
+    """
+    total, seen = torch.zeros((), device=device), 0
+    for _ in range(epochs):
+        for idx in _batches(num_samples, batch_size, generator, device):
+            loss = batch_loss(idx)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach() * len(idx)
+            seen += len(idx)
+    return float(total / seen) if seen else 0.0
+
+
 def alignment_loss(
     features: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
@@ -161,17 +188,12 @@ def train_head(  # pylint: disable=too-many-arguments
     with torch.no_grad(), _autocast(x, cfg):  # the extractor is frozen: no graph through it at all
         features = torch.cat([model.extractor(chunk) for chunk in x.split(cfg.batch_size)])
     optimizer = _sgd(model.head.parameters(), cfg.head_lr if lr is None else lr, cfg)
-    total, seen = torch.zeros((), device=x.device), 0
-    for _ in range(epochs):
-        for idx in _batches(len(x), cfg.batch_size, generator, x.device):
-            with _autocast(x, cfg):
-                loss = F.cross_entropy(model.head(features[idx]).float(), y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach() * len(idx)
-            seen += len(idx)
-    return float(total / seen)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        with _autocast(x, cfg):
+            return F.cross_entropy(model.head(features[idx]).float(), y[idx])
+
+    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
 
 
 def train_extractor(  # pylint: disable=too-many-arguments
@@ -193,28 +215,27 @@ def train_extractor(  # pylint: disable=too-many-arguments
     model.head.requires_grad_(False)
     optimizer = _sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
     align_with = alignment if weight > 0 else None
-    total = torch.zeros((), device=x.device)
-    total_align = torch.zeros((), device=x.device)
-    seen = 0
+    total_align, seen = torch.zeros((), device=x.device), 0
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        nonlocal total_align, seen
+        with _autocast(x, cfg):
+            features = model.extractor(x[idx])
+            logits = model.head(features)
+        loss = F.cross_entropy(logits.float(), y[idx])
+        if align_with is not None:
+            align = align_with(features.float(), y[idx])
+            loss = loss + weight * align
+            total_align += align.detach() * len(idx)
+        seen += len(idx)
+        return loss
+
+    epochs = cfg.local_epochs if epochs is None else epochs
     try:
-        for _ in range(cfg.local_epochs if epochs is None else epochs):
-            for idx in _batches(len(x), cfg.batch_size, generator, x.device):
-                with _autocast(x, cfg):
-                    features = model.extractor(x[idx])
-                    logits = model.head(features)
-                loss = F.cross_entropy(logits.float(), y[idx])
-                if align_with is not None:
-                    align = align_with(features.float(), y[idx])
-                    loss = loss + weight * align
-                    total_align += align.detach() * len(idx)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total += loss.detach() * len(idx)
-                seen += len(idx)
+        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
     finally:
         model.head.requires_grad_(True)
-    return float(total / seen), float(total_align / seen)
+    return mean_loss, float(total_align / seen) if seen else 0.0
 
 
 def train_joint(
@@ -224,18 +245,13 @@ def train_joint(
     (``extractor-lr``): FedAvg, FedPer and Local-only (the authors' ``local_training``)."""
     model.train()
     optimizer = _sgd(model.parameters(), cfg.extractor_lr, cfg)
-    total, seen = torch.zeros((), device=x.device), 0
-    for _ in range(cfg.local_epochs):
-        for idx in _batches(len(x), cfg.batch_size, generator, x.device):
-            with _autocast(x, cfg):
-                logits = model(x[idx])
-            loss = F.cross_entropy(logits.float(), y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach() * len(idx)
-            seen += len(idx)
-    return float(total / seen)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        with _autocast(x, cfg):
+            logits = model(x[idx])
+        return F.cross_entropy(logits.float(), y[idx])
+
+    return sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device)
 
 
 def finetune_head(
@@ -404,17 +420,13 @@ def variational_update(  # pylint: disable=too-many-arguments
                    lr=cfg.vem_head_lr, momentum=cfg.vem_momentum, n_mc=cfg.vem_mc_samples, generator=generator)
 
     optimizer = torch.optim.SGD(model.extractor.parameters(), lr=cfg.vem_base_lr, momentum=cfg.vem_momentum)
-    total, seen = torch.zeros((), device=x.device), 0
-    for _ in range(cfg.local_epochs):
-        for idx in _batches(len(x), cfg.vem_batch_size, generator, x.device):
-            with _autocast(x, cfg):
-                features = model.extractor(x[idx])
-            loss = sampled_mean_nll(head, features.float(), y[idx], cfg.vem_mc_samples, generator)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach() * len(idx)
-            seen += len(idx)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        with _autocast(x, cfg):
+            features = model.extractor(x[idx])
+        return sampled_mean_nll(head, features.float(), y[idx], cfg.vem_mc_samples, generator)
+
+    train_loss = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.vem_batch_size, generator, x.device)
 
     weight_mu, bias_mu = head.linear_mean()  # (d, K) -> nn.Linear's (K, d)
     with torch.no_grad():
@@ -423,7 +435,7 @@ def variational_update(  # pylint: disable=too-many-arguments
     weight_s, bias_s = head.linear_scale()
     return LocalUpdate(
         num_examples=len(y),
-        train_loss=float(total / max(seen, 1)),
+        train_loss=train_loss,
         head_loss=estep.train_loss,
         posterior_scale={"weight": weight_s, "bias": bias_s},
         rho=rho,

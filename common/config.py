@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from common.clustering import WEIGHTS
-from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift
+from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS, SAMPLE_PROTOCOLS
 from common.sites import PartitionMap
 
@@ -332,25 +332,6 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(0 <= cfg.seed < 2**32, k("seed"), cfg.seed, "in [0, 2**32)")
     _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
-
-
-def parse_drift_rounds(text: str) -> tuple[int, ...] | None:
-    """``()`` for an empty string, the rounds in order, or None when malformed."""
-    if not text.strip():
-        return ()
-    try:
-        rounds = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        return None
-    return rounds if all(r >= 0 for r in rounds) else None
-
-
-def configured_drift_rounds(cfg: FedPACConfig) -> tuple[int, ...]:
-    """The run's ``drift-rounds`` (empty: the pattern's defaults apply, ``common.drift``)."""
-    rounds = parse_drift_rounds(cfg.drift_rounds)
-    if rounds is None:
-        raise ConfigError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid")
-    return rounds
 
 
 def _channel_values(text: str, channels: int, positive: bool = False) -> tuple[float, ...] | None:

@@ -42,6 +42,17 @@ NUM_CONCEPTS = 1 + len(SWAPS)
 MIN_CLASSES = 1 + max(max(pair) for pair in SWAPS.values())
 
 
+def parse_drift_rounds(text: str) -> tuple[int, ...] | None:
+    """``drift-rounds``: ``()`` for an empty string, the rounds in order, or None when malformed."""
+    if not text.strip():
+        return ()
+    try:
+        rounds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        return None
+    return rounds if all(r >= 0 for r in rounds) else None
+
+
 @dataclass(frozen=True)
 class Drift:
     """A drift pattern and its 0-based drift rounds (empty: the pattern's defaults)."""
@@ -88,16 +99,15 @@ class Drift:
     @classmethod
     def from_config(cls, cfg: Any) -> "Drift":
         """The drift of a run config (``drift`` and ``drift-rounds``)."""
-        from common.config import configured_drift_rounds  # pylint: disable=import-outside-toplevel
-
-        return cls(cfg.drift, configured_drift_rounds(cfg))
+        rounds = parse_drift_rounds(cfg.drift_rounds)
+        if rounds is None:
+            raise ValueError(f"run config 'drift-rounds' = {cfg.drift_rounds!r} is invalid")
+        return cls(cfg.drift, rounds)
 
     @classmethod
     def from_fields(cls, config: Mapping[str, Any]) -> "Drift":
         """The drift of a validated run config given as its fields (a checkpoint's or a run
         folder's config; absent fields at their defaults: no drift)."""
-        from common.config import parse_drift_rounds  # pylint: disable=import-outside-toplevel
-
         return cls(str(config.get("drift", "none")), parse_drift_rounds(str(config.get("drift_rounds", ""))) or ())
 
     @property

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.aggregation import weighted_average
+from common.averaging import weighted_average
 from common.methods import SAMPLE_PROTOCOLS as PROTOCOLS
 
 

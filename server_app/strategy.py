@@ -30,7 +30,8 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import Clustering, RoundAggregate, aggregate_round, capped_sample_weights
+from common.aggregation import Clustering, RoundAggregate, aggregate_round
+from common.averaging import capped_sample_weights
 from common.methods import FEDPAC, Alignment, Method, Rule
 from common.simplex_qp import FAR_DIAGONAL
 from common.sites import Identity, SiteRegistry, fingerprint

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from common.aggregation import aggregate_centroids, weighted_average
+from common.aggregation import aggregate_centroids
+from common.averaging import weighted_average
 
 
 def test_weighted_average_uses_sample_counts():

@@ -71,3 +71,12 @@ def test_cpu_profile_sorts_processes_by_what_they_are_and_counts_a_busy_child():
     child = str(spinner.pid)
     assert cpu._kinds[child] == "other" and cpu._last[child] >= 0.3  # pylint: disable=protected-access
     assert cpu.seconds["other"] >= cpu._last[child]  # pylint: disable=protected-access
+
+
+def test_fingerprint_ignores_timing_and_sees_every_number():
+    from bench.fingerprint import rounds_digest
+
+    rounds = "round,mean_accuracy,seconds\n1,0.5,12.7\n2,0.625,9.9\n"
+    assert rounds_digest(rounds) == rounds_digest(rounds.replace("12.7", "3.1"))
+    assert rounds_digest(rounds) != rounds_digest(rounds.replace("0.625", "0.6250001"))
+    assert rounds_digest(rounds) != rounds_digest(rounds.replace("1,0.5", "1,0.4"))

@@ -30,7 +30,7 @@ import common.files
 import server_app.checkpoint
 import server_app.report
 from common import protocol as p
-from common.aggregation import capped_sample_weights, weighted_average
+from common.averaging import capped_sample_weights, weighted_average
 from common.config import parse_run_config
 from common.data import DataError, load_client_directory, load_idx_dataset, read_idx
 from common.files import atomic_write

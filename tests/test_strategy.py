@@ -8,7 +8,8 @@ import pytest
 from flwr.app import ConfigRecord
 
 from common import protocol as p
-from common.aggregation import aggregate_round, weighted_average
+from common.aggregation import aggregate_round
+from common.averaging import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import parse_run_config
 from federation import InProcessGrid, set_section

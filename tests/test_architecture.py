@@ -1,0 +1,74 @@
+"""The product's packages import each other without a circle: each module can be read, tested
+and moved knowing only what it imports. Imports inside functions count too: they are how a
+circle hides."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "client_app", "server_app", "experiments")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body (``from a import b`` counts as
+    ``a.b`` when that is a module, else as ``a``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in modules else node.module)
+    return found & modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))]
+    modules = {module_name(path) for path in paths}
+    return {module_name(path): project_imports(path, modules) - {module_name(path)} for path in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the modules around it, or None."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        stack.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == "open":
+                return stack[stack.index(imported):] + [imported]
+            if imported not in state and (cycle := visit(imported)):
+                return cycle
+        state[module] = "done"
+        stack.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_the_modules_and_their_imports():
+    graph = import_graph()
+    assert "common.config" in graph["client_app.train"]
+    assert "common.drift" in graph["common.config"]
+
+
+def test_a_circle_is_found_where_there_is_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle_in_the_product():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
