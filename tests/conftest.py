@@ -8,7 +8,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one thread per pytest-xdist worker (make test-fast runs one worker per core), two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)

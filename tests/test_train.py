@@ -142,6 +142,7 @@ def test_mixed_precision_trains_and_keeps_float32_weights():
     assert update.centroids.dtype == torch.float32
 
 
+@pytest.mark.e2e  # starts processes
 def test_a_training_process_keeps_the_memory_it_frees():
     """Without ``keep_freed_memory`` glibc unmaps every large block a batch frees and the kernel
     zeroes its pages again at the next batch (thousands of page faults per update); with it, a

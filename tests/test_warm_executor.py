@@ -106,6 +106,7 @@ def live_workers(executor: warm_executor.WarmExecutor) -> set[int]:
     return {worker.process.pid for worker in executor.workers.values() if worker.process.is_alive()}
 
 
+@pytest.mark.e2e  # spawns worker processes
 def test_tasks_of_one_run_share_its_worker_and_a_new_run_of_the_same_app_gets_a_new_process(
     executors, task_log
 ):
@@ -130,6 +131,7 @@ def test_tasks_of_one_run_share_its_worker_and_a_new_run_of_the_same_app_gets_a_
     assert executor.standby.process.pid not in {standby, run_one.process.pid, served_by(task_log)[second]}
 
 
+@pytest.mark.e2e  # spawns worker processes
 def test_an_idle_run_s_worker_stops_and_a_standby_serves_the_next_run(executors, task_log):
     executor, runtime = executors(idle_timeout=0.5)
     first = runtime.add(7, "fab-a")
@@ -152,6 +154,7 @@ def test_an_idle_run_s_worker_stops_and_a_standby_serves_the_next_run(executors,
     assert served_by(task_log)[second] == standby.process.pid  # the new run did not pay the start
 
 
+@pytest.mark.e2e  # spawns worker processes
 def test_no_idle_timeout_keeps_a_run_s_worker(executors):
     executor, runtime = executors(idle_timeout=0)
     runtime.add(1, "fab-a")
@@ -162,6 +165,7 @@ def test_no_idle_timeout_keeps_a_run_s_worker(executors):
     assert executor.workers == {RunKey(1, "fab-a"): worker} and worker.process.is_alive()
 
 
+@pytest.mark.e2e  # spawns worker processes
 def test_interleaved_runs_never_hold_more_than_one_worker_and_one_standby(executors, task_log):
     executor, runtime = executors(idle_timeout=0)
     tokens = [runtime.add(run_id, "fab-a") for run_id in (1, 2, 1, 1)]
@@ -187,6 +191,7 @@ def test_a_bad_idle_timeout_is_refused_naming_the_option_and_its_variable(value,
     assert warm_executor.idle_timeout_of("0") == 0 and warm_executor.idle_timeout_of("2.5") == 2.5
 
 
+@pytest.mark.e2e  # spawns worker processes
 def test_a_run_s_worker_that_died_is_replaced_for_the_run_s_next_task(executors, task_log):
     executor, runtime = executors(idle_timeout=0)
     first = runtime.add(3, "fab-a")
