@@ -30,8 +30,9 @@ METHOD_CONFIGS = {
     "fedpac": {},
     "fedavg-ft": {"strategy": "fedavg-ft"},  # fine-tunes a copy before evaluating, then trains
     "local": {"strategy": "local"},
+    # the default partition: dirichlet-min hands out the whole dataset, 15,000 images a client
     "fedccfa-drift": {"strategy": "fedccfa", "drift": "sudden", "drift-rounds": "1", "generalized-every": 1,
-                      "partition": "dirichlet-min", "balanced-epochs": 1, "align-from-round": 2},
+                      "balanced-epochs": 1, "align-from-round": 2},
     # every client trains (all-train), S_t alone is aggregated; each client's posterior mean is its head
     "pfedvem": {"strategy": "pfedvem", "vem-sampling-rate": 0.5},
 }
