@@ -4,7 +4,8 @@ mutmut (https://github.com/boxed/mutmut) puts one small change at a time into a 
 (``+`` for ``-``, ``<`` for ``<=``, a constant off by one, a call's argument dropped, a condition
 negated, ...) and runs the tests that reach the changed function against it; a mutant that every
 one of them passes *survived*. The score is the share of mutants killed (a timeout counts as
-killed, as in mutmut's own score). The scope is the core of the product and the code around it,
+killed, as in mutmut's own score) among those that are not equivalent (``bench/mutation_triage.toml``
+names them, each with the reason no test can tell it from the product). The scope is the core of the product and the code around it,
 in ``GROUPS``: each group of files is tested against the quick-tier test files written for it.
 
 Why mutmut: it is maintained and the most used mutation tool for Python; it runs each mutant in a
@@ -222,15 +223,20 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
                           if status in (SURVIVED, NO_TESTS, "suspicious")]
     killed = totals[KILLED] + totals[TIMEOUT]
     sampled = totals[NOT_CHECKED] > 0
+    # The mutation score leaves out the mutants no test could kill (equivalent: the program's
+    # behaviour is unchanged); mutmut's own score counts them as survivors.
+    equivalent = sum(triage.get(name, "").startswith("equivalent") for name, _, _ in survivors)
+    scored = tested(totals) - equivalent
     summary: dict[str, Any] = {
-        "score": round(score(totals), 2),
-        "interval_95": wilson_interval(killed, tested(totals)) if sampled else None,
+        "score": round(100.0 * killed / scored, 2) if scored else 0.0,
+        "interval_95": wilson_interval(killed, scored) if sampled else None,
+        "mutmut_score": round(score(totals), 2),
         "mutants": sum(totals.values()),
         "tested": tested(totals),
         "counts": dict(totals),
         "survivors": len(survivors),
         "survivors_triaged": sum(name in triage for name, _, _ in survivors),
-        "equivalent": sum(triage.get(name, "").startswith("equivalent") for name, _, _ in survivors),
+        "equivalent": equivalent,
         "wall_seconds": wall,
         "tests": {group: [*QUICK_TIER_MARKS, *tests] for group, (_, tests) in GROUPS.items() if group in works},
         "files": dict(sorted(files.items())),
@@ -238,8 +244,8 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     interval = f", 95 % interval {summary['interval_95'][0]}-{summary['interval_95'][1]} %" if sampled else ""
-    lines = [f"# Surviving mutants ({len(survivors)} of {summary['tested']} tested; "
-             f"score {summary['score']} %{interval})", ""]
+    lines = [f"# Surviving mutants ({len(survivors)} of {summary['tested']} tested, {equivalent} of them "
+             f"equivalent; score {summary['score']} %{interval})", ""]
     for name, status, group in survivors:
         lines += [f"## {name} ({status})", "", f"Verdict: {triage.get(name, 'not triaged')}", "", "```diff",
                   diff_of(works[group], name, mutmut), "```", ""]
