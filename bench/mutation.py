@@ -4,9 +4,10 @@ mutmut (https://github.com/boxed/mutmut) puts one small change at a time into a 
 (``+`` for ``-``, ``<`` for ``<=``, a constant off by one, a call's argument dropped, a condition
 negated, ...) and runs the tests that reach the changed function against it; a mutant that every
 one of them passes *survived*. The score is the share of mutants killed (a timeout counts as
-killed, as in mutmut's own score) among those that are not equivalent (``bench/mutation_triage.toml``
-names them, each with the reason no test can tell it from the product). The scope is the core of the product and the code around it,
-in ``GROUPS``: each group of files is tested against the quick-tier test files written for it.
+killed, as in mutmut's own score) among those that are not equivalent
+(``bench/mutation_triage.toml`` names them, each with the reason no test can tell it from the
+product). The scope is the core of the product and the code around it, in ``GROUPS``: each
+group of files is tested against the quick-tier test files written for it.
 
 Why mutmut: it is maintained and the most used mutation tool for Python; it runs each mutant in a
 process forked from one that has already imported torch and Flower, and only the tests that
@@ -14,7 +15,7 @@ reach the mutated function (from one traced run of the group's tests), with ``-x
 starts the test command afresh for every mutant and runs the whole selection each time.
 
     python bench/mutation.py [--jobs 2] [--sample 400 [--seed 0]] [--groups config ...]
-                             [--work DIR] [--out bench/results/mutation] [--min-score 85]
+                             [--work DIR] [--out docs/mutation] [--min-score 85]
     python bench/mutation.py --resume        # go on with an interrupted run (tests refreshed)
     python bench/mutation.py --resume --retest-survivors   # after adding tests that kill them
     python bench/mutation.py --report-only   # summarize the last run again (after triage)
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     parser.add_argument("--work", type=Path, default=ROOT / ".mutation", help="the copies the run happens in")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mutation")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "mutation",
+                        help="summary.json and survivors.md (each survivor with its verdict)")
     parser.add_argument("--groups", nargs="+", choices=sorted(GROUPS), default=list(GROUPS),
                         help="which groups of files to mutate")
     parser.add_argument("--sample", type=int, default=None,
