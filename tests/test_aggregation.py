@@ -1,10 +1,12 @@
-"""Extractor averaging by samples (eq. 18) and centroids by class counts (eq. 19)."""
+"""Extractor averaging by samples (eq. 18), centroids by class counts (eq. 19), and every head rule
+of a round: clustered (FedCCFA), confidence-weighted (pFedVEM)."""
 
 import numpy as np
 import pytest
 
-from common.aggregation import aggregate_centroids
+from common.aggregation import Clustering, _head_keys, aggregate_centroids, aggregate_round, clustered_heads
 from common.averaging import weighted_average
+from common.methods import METHODS
 
 
 def test_weighted_average_uses_sample_counts():
@@ -51,3 +53,105 @@ def test_weights_whose_sum_overflows_still_average():
 def test_weighted_average_rejects_weights_that_are_not_finite(bad):
     with pytest.raises(ValueError, match="finite"):
         weighted_average([{"w": np.ones(2)}, {"w": np.zeros(2)}], [bad, 1.0])
+
+
+# ---------------------------------------------------------------- heads by rule (pure unit tests)
+
+
+def _linear_head(rng, num_classes=2, dim=3):
+    # the bias first: the keys are told apart by rank, never by their order or names
+    return {"head.bias": rng.normal(size=num_classes), "head.weight": rng.normal(size=(num_classes, dim))}
+
+
+def test_head_keys_are_the_weight_and_the_bias_by_rank():
+    head = {"b": np.zeros(2), "W": np.zeros((2, 3))}
+    assert _head_keys(head) == ("W", "b")
+
+
+@pytest.mark.parametrize("head", [
+    # a third array: which 1-D one is the bias is ambiguous, so no silent guess
+    {"head.weight": np.zeros((2, 3)), "head.bias": np.zeros(2), "head.bias_scale": np.zeros(2)},
+    # two arrays, but no bias among them
+    {"head.weight": np.zeros((2, 3)), "head.other": np.zeros((2, 3))},
+])
+def test_head_keys_reject_anything_but_one_weight_and_one_bias(head):
+    with pytest.raises(ValueError, match="linear head"):
+        _head_keys(head)
+
+
+def _two_concepts(m=4, num_classes=2, dim=3, seed=0):
+    """Class 0: balanced rows of clients 0-1 along e0 and of 2-3 along e1 (two concepts); class 1:
+    everyone along e0 (one cluster). Trained heads are random, so clustering them would differ."""
+    rng = np.random.default_rng(seed)
+    balanced = []
+    for k in range(m):
+        weight = 1e-3 * rng.normal(size=(num_classes, dim))
+        weight[0, 0 if k < 2 else 1] += 1.0
+        weight[1, 0] += 1.0
+        balanced.append({"head.bias": 1e-3 * rng.normal(size=num_classes), "head.weight": weight})
+    heads = [_linear_head(rng, num_classes, dim) for _ in range(m)]
+    anchors = rng.normal(size=(m, num_classes, 5))
+    counts = rng.integers(1, 20, size=(m, num_classes)).astype(float)
+    return heads, balanced, anchors, counts
+
+
+def test_clustered_heads_merge_trained_heads_within_each_class_cluster():
+    heads, balanced, anchors, counts = _two_concepts()
+    merged, clusters = clustered_heads(heads, balanced, anchors, counts, Clustering(eps=0.1))
+    np.testing.assert_array_equal(clusters.labels, [[0, 0, 1, 1], [0, 0, 0, 0]])
+    weights = np.stack([head["head.weight"] for head in heads])
+    biases = np.stack([head["head.bias"] for head in heads])
+    for k, head in enumerate(merged):
+        assert sorted(head) == ["head.bias", "head.weight"]
+        group = [0, 1] if k < 2 else [2, 3]
+        # class 0: the mean of the client's concept; class 1: the mean of everyone
+        np.testing.assert_allclose(head["head.weight"][0], weights[group, 0].mean(axis=0))
+        np.testing.assert_allclose(head["head.bias"][0], biases[group, 0].mean())
+        np.testing.assert_allclose(head["head.weight"][1], weights[:, 1].mean(axis=0))
+        np.testing.assert_allclose(head["head.bias"][1], biases[:, 1].mean())
+
+
+def test_a_fedccfa_round_returns_the_clusters_with_the_merged_heads():
+    """The clusters (labels, merged anchors) go back to the clients as their anchors: a round
+    that loses them would leave feature alignment without targets."""
+    heads, balanced, anchors, counts = _two_concepts()
+    rng = np.random.default_rng(1)
+    extractors = [{"w": rng.normal(size=(2, 2))} for _ in heads]
+    result = aggregate_round(
+        extractors=extractors, heads=heads, local_centroids=anchors, class_counts=counts, h=None, v=None,
+        num_examples=np.array([1.0, 2.0, 3.0, 4.0]), method=METHODS["fedccfa"], balanced_heads=balanced,
+        clustering=Clustering(eps=0.1),
+    )
+    merged, clusters = clustered_heads(heads, balanced, anchors, counts, Clustering(eps=0.1))
+    assert result.clusters is not None
+    np.testing.assert_array_equal(result.clusters.labels, clusters.labels)
+    np.testing.assert_allclose(result.clusters.anchors, clusters.anchors)
+    for got, expected in zip(result.heads, merged):
+        np.testing.assert_allclose(got["head.weight"], expected["head.weight"])
+    np.testing.assert_allclose(result.extractor["w"], weighted_average(extractors, [1.0, 2.0, 3.0, 4.0])["w"])
+
+
+def test_a_pfedvem_round_averages_the_sampled_extractors_by_samples_and_heads_by_confidence():
+    """theta^{t+1}: the sample-weighted mean of the extractors in S_t; w^{t+1}: their heads
+    weighted by 1 / rho^2; a reply outside S_t enters neither mean but keeps its own head."""
+    rng = np.random.default_rng(2)
+    heads = [_linear_head(rng) for _ in range(3)]
+    extractors = [{"w": rng.normal(size=(2, 2)).astype(np.float32)} for _ in range(3)]
+    previous_extractor = {"w": np.zeros((2, 2), np.float32)}
+    previous_head = {key: np.zeros_like(value) for key, value in heads[0].items()}
+    result = aggregate_round(
+        extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None, v=None,
+        num_examples=np.array([10.0, 30.0, 60.0]), method=METHODS["pfedvem"], rhos=[0.5, 2.0, 1.0],
+        in_sample=[True, True, False], previous_extractor=previous_extractor, previous_head=previous_head,
+    )
+    assert result.aggregated == [0, 1]
+    assert result.extractor is not None
+    np.testing.assert_allclose(result.extractor["w"], (10 * extractors[0]["w"] + 30 * extractors[1]["w"]) / 40,
+                               rtol=1e-6)
+    tau = np.array([1 / 0.5**2, 1 / 2.0**2])
+    for key in ("head.weight", "head.bias"):
+        expected = (tau[0] * heads[0][key] + tau[1] * heads[1][key]) / tau.sum()
+        np.testing.assert_allclose(result.global_head[key], expected, rtol=1e-6)
+    for kept, sent in zip(result.heads, heads):
+        np.testing.assert_array_equal(kept["head.weight"], sent["head.weight"])
+    assert result.centroids is None and result.collaboration is None

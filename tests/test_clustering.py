@@ -344,6 +344,16 @@ def test_cluster_and_merge_rejects_bad_input(round_data):
         cluster_and_merge(balanced, trained, anchors, -counts, 0.1)
 
 
+def test_cluster_and_merge_rejects_anchors_without_a_feature_axis(round_data):
+    """(m, K) anchors have the right leading shape but no feature axis: merged "anchors" of one
+    number per class would reach the clients as their alignment targets."""
+    balanced, trained, anchors, counts = round_data
+    with pytest.raises(ValueError, match="anchors"):
+        cluster_and_merge(balanced, trained, anchors[..., 0], counts, 0.1)
+    with pytest.raises(ValueError, match="anchors"):
+        cluster_and_merge(balanced, trained, anchors[:, :2], counts, 0.1)
+
+
 # ---------------------------------------------------------------- head rows
 
 

@@ -265,3 +265,23 @@ def test_most_clients_at_zero_leave_the_others_rows_solved():
     assert fast.status == ["optimal"] * 5
     for i, p in enumerate(collaboration_matrices(h, v, n)):
         assert qp_objective(p, fast.alpha[i]) <= qp_objective(p, reference[i]) * (1 + 1e-6)
+
+
+def test_sparsify_keeps_the_largest_weight_when_all_fall_under_the_threshold():
+    # the largest sits away from index 0: a one-hot at the wrong client would hand it someone else's head
+    alpha = sparsify(np.array([0.2, 0.1, 0.45, 0.25]), threshold=0.5)
+    np.testing.assert_array_equal(alpha, [0.0, 0.0, 1.0, 0.0])
+
+
+def test_a_failing_vectorized_solver_is_logged_with_its_exception_type(monkeypatch, caplog):
+    """The operator reads which error it was: the message alone ("singular matrix", "") often
+    does not say."""
+    import common.collaboration as collaboration
+
+    def broken(q, b):
+        raise FloatingPointError("")
+
+    h, v, n = _stats(3, seed=10)
+    monkeypatch.setattr(collaboration, "solve_simplex_qps", broken)
+    collaboration_weights(h, v, n)
+    assert "FloatingPointError" in caplog.text

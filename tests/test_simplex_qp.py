@@ -4,12 +4,16 @@ import numpy as np
 import pytest
 
 from common.simplex_qp import (
+    KKT_TOLERANCE,
     MAX_ITERATIONS,
     MAX_SCALED_DIAGONAL,
+    POLISH_AT,
     active_set_row,
     duality_gaps,
+    polish_rows,
     problem_scale,
     project_rows_to_simplex,
+    refine_support,
     solve_simplex_qps,
 )
 
@@ -103,3 +107,111 @@ def test_a_client_far_off_the_others_scale_does_not_stall_their_rows():
     row_scale = np.maximum(problem_scale(np.diag(q)), np.diag(q))  # the far row's entries are its own
     assert (duality_gaps(solution.alpha, q, gram) <= 1e-8 * row_scale).all()
     assert solution.alpha[:-1, -1].max() < 1e-3  # nobody else gives it a weight sparsify keeps
+
+
+def test_polish_does_not_certify_a_support_missing_a_client_the_kkt_conditions_ask_for():
+    """q = I makes each row the projection of b onto the simplex: from the vertex (1, 0) the
+    multiplier of client 1's bound is 2 (q alpha - b)_1 - nu = 1.6 - 2 < 0, so the vertex is not
+    optimal and the polish must move to (0.9, 0.1) before it certifies the row."""
+    polished, certified = polish_rows(np.eye(2), np.array([[0.0, -0.8]]), np.array([[1.0, 0.0]]))
+    assert certified.all()
+    np.testing.assert_allclose(polished, [[0.9, 0.1]], atol=1e-12)
+
+
+def test_refine_support_drops_a_negative_entry_and_solves_again():
+    """On the face {0, 1} the equality-constrained optimum puts -0.25 on client 1; dropping it
+    leaves the vertex (1, 0), which the KKT conditions certify (its multiplier is 1 > 0)."""
+    refined = refine_support(np.eye(2), np.array([0.5, -1.0]), np.array([0, 1]))
+    assert refined is not None
+    np.testing.assert_allclose(refined, [1.0, 0.0], atol=1e-12)
+
+
+def test_active_set_frees_a_bound_whose_multiplier_is_just_past_the_tolerance():
+    """Below |nu| = 1 the dual check is absolute: a multiplier of -1.5 KKT_TOLERANCE is a real
+    descent direction. With curvature 0.2 along it the optimum moves 3.75 KKT_TOLERANCE off the
+    vertex, more than the step tolerance, so the vertex is not the answer."""
+    q = 0.1 * np.eye(2)
+    b = np.array([0.0, -0.1 + 0.75 * KKT_TOLERANCE])  # multiplier of bound 1 at (1, 0): -1.5 KKT_TOLERANCE
+    x = active_set_row(q, b, np.array([1.0, 0.0]))
+    assert x is not None
+    np.testing.assert_allclose(x, [1.0 - 3.75 * KKT_TOLERANCE, 3.75 * KKT_TOLERANCE], rtol=1e-6, atol=0)
+
+
+def test_rows_the_polish_cannot_certify_after_leaving_out_a_far_client_are_solved_on_the_whole_problem(
+        monkeypatch):
+    """The polish on the whole problem is the only certificate of the rows solved without the far
+    client; rows it fails go to the gradient steps on the whole problem, and come back certified."""
+    import common.simplex_qp as simplex_qp
+
+    rng = np.random.default_rng(4)
+    m = 12
+    h = rng.normal(size=(m, 6))
+    h[-1] *= 1e3
+    gram = h @ h.T
+    q = gram + np.diag(rng.uniform(0.01, 0.05, m))
+    real_polish, failed = simplex_qp.polish_rows, []
+
+    def first_whole_polish_fails(q_scaled, b, alpha):
+        if len(q_scaled) == m and not failed:  # the polish of _solve_without_far: certify nothing
+            failed.append(True)
+            return alpha.copy(), np.zeros(len(b), dtype=bool)
+        return real_polish(q_scaled, b, alpha)
+
+    monkeypatch.setattr(simplex_qp, "polish_rows", first_whole_polish_fails)
+    solution = solve_simplex_qps(q, gram)
+    assert failed  # the far client was left out and its polish refused every row
+    assert solution.converged.all()
+    row_scale = np.maximum(problem_scale(np.diag(q)), np.diag(q))
+    assert (duality_gaps(solution.alpha, q, gram) <= 1e-8 * row_scale).all()
+
+
+def test_refine_support_adds_the_worst_violators_first():
+    """q = I: the optimum is the projection of b onto the simplex, on clients 0-2. From the vertex
+    e_0 all 62 others violate the KKT conditions, 60 of them weakly; adding the strongest few at a
+    time reaches the optimum in a few solves, the weakest first only cycle through the weak ones."""
+    b = np.concatenate([[1.0, 0.9, 0.8], np.linspace(0.05, 0.3, 60)])
+    refined = refine_support(np.eye(len(b)), b, np.array([0]))
+    assert refined is not None
+    np.testing.assert_allclose(refined, project_rows_to_simplex(b[None])[0], atol=1e-12)
+
+
+def test_rows_with_a_support_under_half_the_clients_are_polished_early():
+    """The polish waits for a sparse iterate, one on at most half the clients (and at least 64):
+    here the 80 rows of one group of 210 clients sit on 81-96 clients at the first polish
+    (iteration 25), where it certifies them all; with a tighter gate they wait for ~2000
+    gradient steps."""
+    rng = np.random.default_rng(0)
+    m, group = 210, 80
+    h = rng.normal(size=(m, 40))
+    h[:group] = rng.normal(size=40) + 0.05 * rng.normal(size=(group, 40))
+    gram = h @ h.T
+    q = gram + np.diag(rng.uniform(0.5, 1.5, m))
+    solution = solve_simplex_qps(q, gram[:group])
+    assert solution.converged.all()
+    assert solution.iterations <= POLISH_AT[1]
+    assert duality_gaps(solution.alpha, q, gram[:group]).max() <= 1e-8 * problem_scale(np.diag(q))
+
+
+def test_a_kkt_step_that_only_grows_the_iterate_does_not_crash_the_active_set_method():
+    """Past ~1e12 between diagonal entries the KKT solve on a face misses sum = 1 by more than
+    the step tolerance: the step is then non-negative everywhere, with no bound to block it. The
+    method must take it (or give up with None, leaving the row to the caller's fallback), never
+    reduce over an empty set of blocking bounds. The optimum here is the vertex e_1 (b = Q[1])."""
+    q = np.array([[1.0, 1e5], [1e5, 1e12]])
+    x = active_set_row(q, q[1], np.array([1.0, 0.0]))
+    assert x is None or np.allclose(x, [0.0, 1.0], atol=1e-9)
+
+
+def test_a_client_ten_million_times_the_others_scale_is_solved_and_certified():
+    """A client whose h is 1e7 times the others' (diagonal 1e14 times): its row reaches the
+    active-set method on a face the KKT solve cannot hit exactly (the test above)."""
+    rng = np.random.default_rng(14)
+    h = rng.normal(size=(5, 4))
+    h[-1] *= 1e7
+    gram = h @ h.T
+    q = gram + np.diag(rng.uniform(0.01, 0.05, 5))
+    solution = solve_simplex_qps(q, gram)
+    assert solution.converged.all()
+    assert solution.alpha.min() >= 0 and np.allclose(solution.alpha.sum(axis=1), 1)
+    row_scale = np.maximum(problem_scale(np.diag(q)), np.diag(q))
+    assert (duality_gaps(solution.alpha, q, gram) <= 1e-8 * row_scale).all()
