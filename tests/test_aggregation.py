@@ -155,3 +155,60 @@ def test_a_pfedvem_round_averages_the_sampled_extractors_by_samples_and_heads_by
     for kept, sent in zip(result.heads, heads):
         np.testing.assert_array_equal(kept["head.weight"], sent["head.weight"])
     assert result.centroids is None and result.collaboration is None
+
+
+def test_a_fedpac_round_keeps_the_centroid_of_a_class_no_reply_has():
+    """A class absent from this round's replies keeps its previous global centroid, and stays
+    marked as having one: the clients go on aligning to it."""
+    rng = np.random.default_rng(3)
+    heads = [_linear_head(rng, num_classes=3) for _ in range(2)]
+    extractors = [{"w": rng.normal(size=(2, 2))} for _ in heads]
+    local = rng.normal(size=(2, 3, 4))
+    counts = np.array([[5.0, 2.0, 0.0], [1.0, 3.0, 0.0]])  # nobody has class 2 this round
+    previous = rng.normal(size=(3, 4)).astype(np.float32)
+    result = aggregate_round(
+        extractors=extractors, heads=heads, local_centroids=local, class_counts=counts, h=None, v=None,
+        num_examples=np.array([7.0, 4.0]), previous_centroids=previous,
+        previous_mask=np.array([False, False, True]), method=METHODS["fedpac-align"],
+    )
+    np.testing.assert_array_equal(result.centroid_mask, [True, True, True])
+    np.testing.assert_array_equal(result.centroids[2], previous[2])
+
+
+def test_mixing_heads_without_the_statistics_says_what_is_missing():
+    rng = np.random.default_rng(4)
+    heads = [_linear_head(rng) for _ in range(2)]
+    with pytest.raises(ValueError, match="h and V"):
+        aggregate_round(extractors=[{"w": np.ones(2)}] * 2, heads=heads, local_centroids=np.zeros((2, 2, 3)),
+                        class_counts=np.ones((2, 2)), h=None, v=None, num_examples=np.array([1.0, 1.0]),
+                        method=METHODS["fedpac"])
+
+
+def test_label_weighted_members_merge_by_their_class_counts():
+    """``cluster-weights = label``: a cluster's merged row weights each member by its count of
+    that class, not equally (the setting must reach the merge)."""
+    heads, balanced, anchors, counts = _two_concepts()
+    merged, _ = clustered_heads(heads, balanced, anchors, counts, Clustering(eps=0.1, weights="label"))
+    weights = np.stack([head["head.weight"] for head in heads])
+    everyone = counts[:, 1] / counts[:, 1].sum()  # class 1: one cluster of all four clients
+    np.testing.assert_allclose(merged[0]["head.weight"][1], (everyone[:, None] * weights[:, 1]).sum(axis=0))
+    uniform, _ = clustered_heads(heads, balanced, anchors, counts, Clustering(eps=0.1))
+    assert not np.allclose(merged[0]["head.weight"][1], uniform[0]["head.weight"][1])
+
+
+def test_a_pfedvem_round_without_a_reply_from_the_sample_keeps_the_prior_and_the_base():
+    """No valid reply from S_t: w and theta stay as they were; the replies' posteriors are kept."""
+    rng = np.random.default_rng(5)
+    heads = [_linear_head(rng) for _ in range(2)]
+    extractors = [{"w": rng.normal(size=(2, 2)).astype(np.float32)} for _ in range(2)]
+    previous_extractor = {"w": rng.normal(size=(2, 2)).astype(np.float32)}
+    previous_head = _linear_head(rng)
+    result = aggregate_round(
+        extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None, v=None,
+        num_examples=np.array([10.0, 30.0]), method=METHODS["pfedvem"], rhos=[0.5, 2.0],
+        in_sample=[False, False], previous_extractor=previous_extractor, previous_head=previous_head,
+    )
+    assert result.aggregated == []
+    np.testing.assert_array_equal(result.extractor["w"], previous_extractor["w"])
+    for key, value in previous_head.items():
+        np.testing.assert_array_equal(result.global_head[key], value)

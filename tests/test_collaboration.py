@@ -285,3 +285,13 @@ def test_a_failing_vectorized_solver_is_logged_with_its_exception_type(monkeypat
     monkeypatch.setattr(collaboration, "solve_simplex_qps", broken)
     collaboration_weights(h, v, n)
     assert "FloatingPointError" in caplog.text
+
+
+def test_an_overflowed_diagonal_entry_counts_as_far_off():
+    """A client whose ||h||^2 + V/n overflowed to inf is named among the far-off ones (logged by
+    the strategy), whatever the finite entries say."""
+    from common.collaboration import _far_off_rows  # pylint: disable=import-outside-toplevel
+
+    assert _far_off_rows(np.array([1.0, np.inf, 1.2, 0.9])) == [1]
+    assert _far_off_rows(np.array([np.inf, np.inf])) == [0, 1]
+    assert _far_off_rows(np.array([1.0, 1.1, 0.9])) == []
