@@ -56,6 +56,9 @@ def test_invalid_values_name_key_and_range(key, value, fragment):
     with pytest.raises(ConfigError) as err:
         parse_run_config({key: value})
     assert f"'{key}'" in str(err.value) and fragment in str(err.value)
+    # and the value it was given (an integer may come back as the float the key holds)
+    given = {repr(value)} | ({repr(float(value))} if isinstance(value, (int, float)) else set())
+    assert any(f"= {form} " in str(err.value) for form in given), str(err.value)
 
 
 def test_wrong_types_and_unknown_keys():

@@ -80,6 +80,7 @@ def test_the_registry_refuses_unknown_identities_and_denied_claims_and_keeps_a_c
     sites = SiteRegistry()
     assert "serves no partition" in sites.screen(1, Identity(""), 3).reason
     assert "serves partition 5, not one of the federation's 3" in sites.screen(2, Identity("supernode-5"), 3).reason
+    assert sorted(sites.refused) == [1, 2]  # each refused node is remembered under its own id
     assert sites.screen(3, Identity("supernode-0"), 3) is None
     denied = sites.bind(3, 1, Identity("supernode-0"), connected={3})
     assert denied.final and "claims partition 1" in denied.reason and 3 not in sites.node_partition
