@@ -73,7 +73,6 @@ def fingerprint(name: str, extra: dict[str, object]) -> dict[str, str]:
         config = {**BASE, **extra, "output-dir": out}
         cfg = parse_run_config(config)
         set_task_identity()
-        RunReport.paint = lambda self, rounds: None  # type: ignore[method-assign]  # charts: not numbers
         run_fedpac(cast(Grid, InProcessGrid(config, CLIENTS)), cfg, 1)
         run = next(Path(out).rglob("rounds.csv")).parent
         return {"rounds.csv": rounds_digest((run / "rounds.csv").read_text()),
@@ -87,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    RunReport.paint = lambda self, rounds: None  # type: ignore[method-assign]  # charts: not numbers
     prints = {}
     for name in args.runs:
         prints[name] = fingerprint(name, RUNS[name])

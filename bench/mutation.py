@@ -145,8 +145,7 @@ def prepare(work: Path, group: str) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     copy_working_tree(work)
-    pyproject = work / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text() + mutmut_config(*GROUPS[group]))
+    configure(work, group)
     subprocess.run([sys.executable, "-c", GENERATOR], cwd=work, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -254,13 +253,19 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     return summary
 
 
+def configure(work: Path, group: str) -> None:
+    """The copy's pyproject.toml: the working tree's, with this script's settings for ``group``."""
+    (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_config(*GROUPS[group]))
+
+
 def refresh(work: Path, group: str) -> None:
     """The working tree's tests and this script's mutmut settings into a copy made before: a
-    resumed run tests against the tests as they are now (mutmut traces the new ones first)."""
+    resumed run tests against the tests as they are now (mutmut traces the new ones first). The
+    product code stays the copy's: tests that import a module the copy lacks cannot be collected,
+    and a run on changed code starts afresh."""
     for source in (ROOT / "tests").glob("*.py"):
         shutil.copy2(source, work / "tests" / source.name)
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    (work / "pyproject.toml").write_text(pyproject + mutmut_config(*GROUPS[group]))
+    configure(work, group)
 
 
 def run_group(work: Path, group: str, mutmut: str, jobs: int, retest: bool = False) -> None:

@@ -215,10 +215,10 @@ def train_extractor(  # pylint: disable=too-many-arguments
     model.head.requires_grad_(False)
     optimizer = _sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
     align_with = alignment if weight > 0 else None
-    total_align, seen = torch.zeros((), device=x.device), 0
+    total_align = torch.zeros((), device=x.device)
 
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
-        nonlocal total_align, seen
+        nonlocal total_align
         with _autocast(x, cfg):
             features = model.extractor(x[idx])
             logits = model.head(features)
@@ -227,7 +227,6 @@ def train_extractor(  # pylint: disable=too-many-arguments
             align = align_with(features.float(), y[idx])
             loss = loss + weight * align
             total_align += align.detach() * len(idx)
-        seen += len(idx)
         return loss
 
     epochs = cfg.local_epochs if epochs is None else epochs
@@ -235,6 +234,7 @@ def train_extractor(  # pylint: disable=too-many-arguments
         mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
     finally:
         model.head.requires_grad_(True)
+    seen = epochs * len(x)  # every epoch is one pass over all samples (sgd_epochs)
     return mean_loss, float(total_align / seen) if seen else 0.0
 
 
