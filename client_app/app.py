@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from functools import lru_cache
 
@@ -12,16 +11,17 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
-from client_app.train import LocalUpdate, Received, evaluate_head, extract_features, finetune_head, local_update
-from client_app.train import evaluate as evaluate_model
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
 from common.cpu import keep_freed_memory
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.drift import Drift, label_map
 from common.methods import METHODS
-from common.model import HEAD_PREFIX, FedPACNet, weights_digest
+from common.methods.base import LocalData, Received, client_routine
+from common.model import FedPACNet, weights_digest
 from common.partition import client_split
+from common.training import evaluate_head, extract_features
+from common.training import evaluate as evaluate_model
 from client_app.site_model import SiteModel, save_site_model
 
 
@@ -181,44 +181,6 @@ def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose:
     )
 
 
-def _received(msg: Message, sections: p.Sections, server_round: int, device: torch.device) -> Received:
-    """The rest of the server's message: alignment targets (methods with feature alignment),
-    the fixed initial head and whether the sent head is the client's own (FedCCFA), the
-    posterior (pFedVEM)."""
-    targets = mask = None
-    if p.CENTROIDS in sections:
-        arrays = sections[p.CENTROIDS]
-        targets = torch.as_tensor(arrays[p.CENTROID_VALUES], dtype=torch.float32, device=device)
-        mask = torch.as_tensor(arrays[p.CENTROID_MASK], dtype=torch.bool, device=device)
-    # the head module's own keys (weight, bias), as the routine loads it into model.head
-    initial_head = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=device)
-                    for key, value in sections.get(p.INITIAL_HEAD, {}).items()}
-    posterior = {key: torch.as_tensor(np.array(value), device=device)
-                 for key, value in sections.get(p.POSTERIOR, {}).items()}
-    config = msg.content.config_records[p.CONFIG]
-    return Received(server_round=server_round, targets=targets, target_mask=mask, initial_head=initial_head,
-                    has_personal_head=bool(config.get(p.HAS_PERSONAL_HEAD, False)), posterior=posterior)
-
-
-def _statistics(update: LocalUpdate) -> p.NDArrays:
-    """Centroids, class counts and h, FedCCFA's balanced head, pFedVEM's posterior scales: only
-    those the method computed (none for FedAvg & co.)."""
-    arrays = {}
-    if update.centroids is not None:
-        arrays[p.CENTROID_VALUES] = update.centroids.cpu().numpy()
-    if update.class_counts is not None:
-        arrays[p.CLASS_COUNTS] = update.class_counts.cpu().numpy().astype(np.int64)
-    if update.statistics is not None:
-        arrays[p.H] = update.statistics.h.float().cpu().numpy()
-    if update.balanced_head is not None:
-        arrays[p.BALANCED_WEIGHT] = update.balanced_head["weight"].cpu().numpy()
-        arrays[p.BALANCED_BIAS] = update.balanced_head["bias"].cpu().numpy()
-    if update.posterior_scale is not None:
-        arrays[p.SCALE_WEIGHT] = update.posterior_scale["weight"].cpu().numpy()
-        arrays[p.SCALE_BIAS] = update.posterior_scale["bias"].cpu().numpy()
-    return arrays
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Run the method's local update and reply with the model and what the server step needs.
@@ -235,41 +197,29 @@ def train(msg: Message, context: Context) -> Message:
     if evaluate_round is not None:
         evaluation = _evaluation(model, cfg, context, evaluate_round)
         started = time.perf_counter()
-    x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
-    y = current_concept(y, cfg, partition_id, server_round)
-    received = _received(msg, sections, server_round, device)
+    data = _local_data(cfg, context, device, server_round)
+    received = Received(server_round=server_round, sections={k: v for k, v in sections.items() if k != p.MODEL},
+                        config=dict(msg.content.config_records[p.CONFIG]))
+    routine = client_routine(METHODS[cfg.strategy])
+    result = routine.local_update(model, data, received, cfg, _generator(cfg, server_round, partition_id))
 
-    update = local_update(model, x, y, received, cfg, _generator(cfg, server_round, partition_id))
-    train_seconds = time.perf_counter() - started
-    local = None
-    if METHODS[cfg.strategy].evaluates_local_model:
-        # the locally trained model, before the server aggregates anything: pFedVEM's own measure
-        local = evaluate_model(model, x_test, current_concept(y_test, cfg, partition_id, server_round))
-
-    metrics = MetricRecord(
-        {p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: update.num_examples, p.TRAIN_LOSS: update.train_loss}
-    )
-    if update.statistics is not None:
-        metrics[p.V] = update.statistics.v
-    if update.head_loss is not None:
-        metrics["head-loss"] = update.head_loss
-    if update.align_loss is not None:
-        metrics["align-loss"] = update.align_loss
-    if update.align_weight is not None:
-        metrics["align-weight"] = update.align_weight
-    if update.rho is not None:
-        metrics[p.RHO] = update.rho
-    if update.posterior_restored is not None:
-        metrics["posterior-restored"] = int(update.posterior_restored)
-    if local is not None:
-        metrics[p.LOCAL_LOSS], metrics[p.LOCAL_ACCURACY] = local
-    metrics["train-seconds"] = train_seconds
+    metrics = MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: result.num_examples,
+                            p.TRAIN_LOSS: result.train_loss, **result.metrics,
+                            "train-seconds": time.perf_counter() - started})
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
-    content = RecordDict({p.ARRAYS: p.pack({p.MODEL: state, p.STATISTICS: _statistics(update)}),
+    content = RecordDict({p.ARRAYS: p.pack({p.MODEL: state, p.STATISTICS: result.statistics}),
                           p.METRICS: metrics})
     if evaluation is not None:
         content[p.EVALUATION] = evaluation
     return Message(content=content, reply_to=msg)
+
+
+def _local_data(cfg: FedPACConfig, context: Context, device: torch.device, server_round: int) -> LocalData:
+    """The client's data on ``device``, labels in its concept of ``server_round``."""
+    partition_id, num_partitions = partition_of(context)
+    x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
+    return LocalData(x, current_concept(y, cfg, partition_id, server_round),
+                     x_test, current_concept(y_test, cfg, partition_id, server_round))
 
 
 def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int,
@@ -310,20 +260,17 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     folder has no such test set and reports none).
     """
     started = time.perf_counter()
-    partition_id, num_partitions = partition_of(context)
+    partition_id, _ = partition_of(context)
     device = next(model.parameters()).device
-    x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
-    y = current_concept(y, cfg, partition_id, server_round)
-    y_test = current_concept(y_test, cfg, partition_id, server_round)
-    if METHODS[cfg.strategy].finetune_before_evaluation:
-        model = copy.deepcopy(model)  # a train message goes on to train the model as received
-        finetune_head(model, x, y, cfg, _generator(cfg, server_round, partition_id, purpose=1))
-    loss, accuracy = evaluate_model(model, x_test, y_test)
+    data = _local_data(cfg, context, device, server_round)
+    model = client_routine(METHODS[cfg.strategy]).before_evaluation(
+        model, data, cfg, _generator(cfg, server_round, partition_id, purpose=1))
+    loss, accuracy = evaluate_model(model, data.x_test, data.y_test)
     _keep_site_model(model, cfg, context, server_round, accuracy)
     metrics = MetricRecord(
         {
             p.PARTITION_ID: partition_id,
-            p.NUM_EXAMPLES: len(y_test),
+            p.NUM_EXAMPLES: len(data.y_test),
             "accuracy": accuracy,
             "loss": loss,
         }

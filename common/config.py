@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from common.clustering import WEIGHTS
 from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
-from common.methods import METHODS, SAMPLE_PROTOCOLS
+from common.methods import METHODS
+from common.methods.pfedvem import SAMPLE_PROTOCOLS
 from common.sites import PartitionMap
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from common.averaging import weighted_average
-from common.methods import SAMPLE_PROTOCOLS as PROTOCOLS
+from common.methods.pfedvem import SAMPLE_PROTOCOLS as PROTOCOLS
 
 
 def softplus_inverse(scale: float) -> float:

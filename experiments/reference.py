@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from client_app.app import client_tensors, select_device
-from client_app.train import evaluate, train_head, train_joint
+from common.training import evaluate, train_head, train_joint
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.files import atomic_write
 from common.model import FedPACNet

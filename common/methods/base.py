@@ -1,8 +1,10 @@
-"""Every method of the product, each described by what it shares, not by a copy of the strategy.
+"""What every method is made of: a :class:`Method` (pure data: its name and variant settings, and
+what its server does with each part of the model) and, beside it in the method's package, a
+client part (``client.py``: the local update, a :class:`ClientRoutine`).
 
 FedPAC, its baselines (Table 1) and ablations (Table 2), FedCCFA (Chen et al., NeurIPS 2024) and
 pFedVEM (Zhu et al., CVPR 2023) all train the same split model (feature extractor theta + linear
-head phi) on the same data and differ only in
+head phi) on the same data. Their server steps differ in
 
 * what the server does with each part of the model after a round (:class:`Rule`): average it
   over the clients by sample count (eq. 18), mix the heads with the collaboration QP (FedPAC
@@ -12,21 +14,29 @@ head phi) on the same data and differ only in
   (pFedVEM);
 * which features local training aligns, and to what (:class:`Alignment`): the global class
   centroids (FedPAC eq. 3) or the client's cluster anchors (FedCCFA); either way clients send
-  their class means back;
-* the local training routine (:class:`Routine`);
-* whether a client fine-tunes its head before each evaluation (FedAvg-FT).
+  their class means back.
 
-Where each piece lives: the server rules in ``common.aggregation`` (with the QP in
-``common.collaboration`` and the class-level clustering in ``common.clustering``), the routines
-and alignment losses in ``client_app.train``, pFedVEM's math in ``common.variational``. The
-Flower glue (``server_app.strategy``, ``client_app.app``) reads only these flags; no method has a
-strategy or a training loop of its own, and no glue names a method.
+A method's package (``common/methods/<family>/``) holds the :class:`Method` subclass in its
+``__init__.py`` and its client part in ``client.py``; :func:`client_routine` finds the client part
+of any method, so the ClientApp names no method. The client part is loaded only where it runs
+(a ClientApp, a test): the server's math (the QP's solver) is no dependency of a site.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from common import protocol as p
+
+if TYPE_CHECKING:  # the client part's types: a Method itself is pure data
+    import torch
+
+    from common.config import FedPACConfig
+    from common.model import FedPACNet
 
 
 class Rule(str, Enum):
@@ -52,35 +62,15 @@ class Alignment(str, Enum):
     ANCHORS = "anchors"  # FedCCFA: contrastive, to the anchors of the client's class clusters
 
 
-class Routine(str, Enum):
-    """The local training routine of a method (``client_app.train``)."""
-
-    ALTERNATING = "alternating"  # FedPAC: head epoch(s) on frozen features, then extractor epochs
-    JOINT = "joint"  # FedAvg, FedPer, Local-only: the whole model, E epochs
-    REPRESENTATION = "representation"  # FedRep: many head epochs, then extractor epochs
-    # FedCCFA: a balanced-batch head from the fixed initial head phi^0 (only for the server's
-    # clustering), the personal head, then extractor epochs
-    CLUSTERED = "clustered"
-    # pFedVEM: rho_j from the posterior as received, the variational E-step on the head (full-batch
-    # negative ELBO against the prior N(w, rho_j^2)), then extractor epochs against head samples
-    VARIATIONAL = "variational"
-
-
-# Who trains in a method whose server aggregates a sample S_t (``Method.aggregates_a_sample``):
-# every client ("all-train", the pFedMe/pFedVEM protocol) or S_t only ("sampled-train").
-SAMPLE_PROTOCOLS = ("all-train", "sampled-train")
-
-
 @dataclass(frozen=True)
 class Method:
-    """One federated method, as the flags the server and the clients act on."""
+    """One federated method, as the flags the server acts on; its package's ``client.py`` holds
+    what a client does."""
 
     name: str
-    extractor: Rule
-    head: Rule
-    alignment: Alignment
-    routine: Routine
-    finetune_before_evaluation: bool = False
+    extractor: Rule = Rule.AVERAGE
+    head: Rule = Rule.AVERAGE
+    alignment: Alignment = Alignment.NONE
 
     def __post_init__(self) -> None:
         if self.head in (Rule.MIX, Rule.CLUSTER) and self.extractor is not Rule.AVERAGE:
@@ -90,10 +80,6 @@ class Method:
             raise ValueError(f"{self.name}: feature alignment needs an averaged extractor")
         if (self.alignment is Alignment.ANCHORS) != (self.head is Rule.CLUSTER):
             raise ValueError(f"{self.name}: anchors come from, and only from, clustered heads")
-        if (self.routine is Routine.CLUSTERED) != (self.head is Rule.CLUSTER):
-            raise ValueError(f"{self.name}: clustered heads need the balanced heads of the clustered routine")
-        if (self.routine is Routine.VARIATIONAL) != (self.head is Rule.CONFIDENCE):
-            raise ValueError(f"{self.name}: confidence-weighted heads need the posteriors of the variational routine")
         shares_plain_base = self.extractor is Rule.AVERAGE and self.alignment is Alignment.NONE
         if self.head is Rule.CONFIDENCE and not shares_plain_base:
             raise ValueError(f"{self.name}: posteriors come with an averaged extractor and no feature alignment")
@@ -118,7 +104,7 @@ class Method:
     def needs_initial_head(self) -> bool:
         """The fixed initial head phi^0 travels down: the clustered routine's balanced head
         starts from it every round."""
-        return self.routine is Routine.CLUSTERED
+        return self.head is Rule.CLUSTER
 
     @property
     def personal_heads(self) -> bool:
@@ -149,7 +135,7 @@ class Method:
     def evaluates_local_model(self) -> bool:
         """A training reply also carries the accuracy of the locally trained model before
         aggregation (pFedVEM's own evaluation: the local base with the posterior mean)."""
-        return self.routine is Routine.VARIATIONAL
+        return self.head is Rule.CONFIDENCE
 
     @property
     def sends_class_counts(self) -> bool:
@@ -162,31 +148,62 @@ class Method:
         return self.head is Rule.MIX
 
 
-FEDPAC = Method("fedpac", Rule.AVERAGE, Rule.MIX, Alignment.CENTROIDS, Routine.ALTERNATING)
-NO = Alignment.NONE
+# --------------------------------------------------------------------------- the client part
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        FEDPAC,
-        # Table 2's ablations: the FedPAC routine with one or both of its components switched off.
-        # Neither: the alternating routine alone, every client keeps its own head (the column
-        # "None", which is FedPer trained head-then-extractor).
-        Method("fedpac-none", Rule.AVERAGE, Rule.LOCAL, NO, Routine.ALTERNATING),
-        # Alignment only: no classifier collaboration, every client keeps its own head
-        # (alpha = identity).
-        Method("fedpac-align", Rule.AVERAGE, Rule.LOCAL, Alignment.CENTROIDS, Routine.ALTERNATING),
-        # Collaboration only: lambda = 0 (no centroids at all), heads mixed by the QP.
-        Method("fedpac-collab", Rule.AVERAGE, Rule.MIX, NO, Routine.ALTERNATING),
-        # Table 1's baselines.
-        Method("local", Rule.LOCAL, Rule.LOCAL, NO, Routine.JOINT),
-        Method("fedavg", Rule.AVERAGE, Rule.AVERAGE, NO, Routine.JOINT),
-        Method("fedavg-ft", Rule.AVERAGE, Rule.AVERAGE, NO, Routine.JOINT, finetune_before_evaluation=True),
-        Method("fedper", Rule.AVERAGE, Rule.LOCAL, NO, Routine.JOINT),
-        Method("fedrep", Rule.AVERAGE, Rule.LOCAL, NO, Routine.REPRESENTATION),
-        # FedCCFA: classifier clustering and feature alignment under distributed concept drift.
-        Method("fedccfa", Rule.AVERAGE, Rule.CLUSTER, Alignment.ANCHORS, Routine.CLUSTERED),
-        # pFedVEM: a Bayesian linear head per client, confidence-weighted prior mean, FedAvg base.
-        Method("pfedvem", Rule.AVERAGE, Rule.CONFIDENCE, NO, Routine.VARIATIONAL),
-    )
-}
+
+@dataclass(frozen=True)
+class LocalData:
+    """A client's data on the training device, labels in its concept of this round."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the server sent this round besides the model: the message's other sections, as
+    numpy arrays (``common.protocol``), and its config record."""
+
+    server_round: int = 1
+    sections: p.Sections = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one round of local training sends back besides the trained model: n_i, the last
+    phase's loss, the arrays of the reply's ``statistics`` section and the method's own metrics
+    (``common.protocol`` keys). A method sends only what its server step uses."""
+
+    num_examples: int
+    train_loss: float
+    statistics: p.NDArrays = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ClientRoutine:
+    """A method's client part: one round of local training, and what a client does to the
+    received model before evaluating it (nothing, but for FedAvg-FT)."""
+
+    def __init__(self, method: Method) -> None:
+        self.method = method
+
+    def local_update(self, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+                     generator: torch.Generator) -> ClientResult:
+        """Train ``model`` (as received: the global extractor and the client's head) in place."""
+        raise NotImplementedError
+
+    def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
+                          generator: torch.Generator) -> FedPACNet:
+        """The model the client evaluates: by default the one it received."""
+        del data, cfg, generator
+        return model
+
+
+def client_routine(method: Method) -> ClientRoutine:
+    """The client part of ``method``: ``Routine`` in ``client.py`` next to its class's module."""
+    package = type(method).__module__
+    module = importlib.import_module(f"{package}.client")
+    return module.Routine(method)

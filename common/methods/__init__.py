@@ -1,0 +1,43 @@
+"""Every method of the product, by its run-config name (``strategy``): one line each.
+
+A method's package (``common/methods/<family>/``) holds what it is (its :class:`Method` subclass,
+with the variant settings of its ablations) and, in ``client.py``, what its clients do
+(``common.methods.base.client_routine``).
+"""
+
+from __future__ import annotations
+
+from common.methods.base import Alignment, Method, Rule
+from common.methods.baselines import Baseline
+from common.methods.fedccfa import FedCCFA
+from common.methods.fedpac import FedPAC
+from common.methods.pfedvem import PFedVEM
+
+FEDPAC = FedPAC("fedpac")
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        FEDPAC,
+        # Table 2's ablations: the FedPAC routine with one or both of its components switched off.
+        # Neither: the alternating routine alone, every client keeps its own head (the column
+        # "None", which is FedPer trained head-then-extractor).
+        FedPAC("fedpac-none", align=False, collaborate=False),
+        # Alignment only: no classifier collaboration, every client keeps its own head (alpha = identity).
+        FedPAC("fedpac-align", collaborate=False),
+        # Collaboration only: lambda = 0 (no centroids at all), heads mixed by the QP.
+        FedPAC("fedpac-collab", align=False),
+        # Table 1's baselines.
+        Baseline("local", extractor=Rule.LOCAL, head=Rule.LOCAL),
+        Baseline("fedavg"),
+        Baseline("fedavg-ft", finetune_before_evaluation=True),
+        Baseline("fedper", head=Rule.LOCAL),
+        Baseline("fedrep", head=Rule.LOCAL, representation=True),
+        # FedCCFA: classifier clustering and feature alignment under distributed concept drift.
+        FedCCFA("fedccfa"),
+        # pFedVEM: a Bayesian linear head per client, confidence-weighted prior mean, FedAvg base.
+        PFedVEM("pfedvem"),
+    )
+}
+
+__all__ = ["FEDPAC", "METHODS", "Alignment", "Method", "Rule"]

@@ -1,0 +1,74 @@
+"""FedPAC's local update (Section 4, Algorithm 1), and its ablations'.
+
+The order matters and follows the paper: the statistics for the collaboration QP are taken with
+the *received* extractor, then the head is trained with the extractor frozen, then the extractor
+with the head frozen and features pulled towards the global class centroids, and finally the
+local centroids are taken with the *trained* extractor.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from common import protocol as p
+from common.config import FedPACConfig
+from common.methods.base import ClientResult, ClientRoutine, LocalData, Received
+from common.methods.fedpac import FedPAC
+from common.model import FedPACNet
+from common.statistics import class_feature_sums, feature_statistics
+from common.training import (AlignmentTerm, alignment_targets, class_counts, to_numpy, train_extractor,
+                             train_head)
+
+
+def alignment_loss(
+    features: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(1/B) sum_{b: class has a centroid} (1/d) ||f(x_b) - c_{y_b}||^2 (eq. 3's regularizer).
+
+    The centroids are constants; the gradient flows into ``features`` only. Samples whose class
+    has no global centroid yet contribute zero but still count in the batch size B, as in the
+    authors' MSE over the batch.
+    """
+    targets = centroids[labels]
+    aligned = mask[labels].to(features.dtype)
+    per_sample = (features - targets).square().mean(dim=1)
+    return (per_sample * aligned).sum() / len(labels)
+
+
+class Routine(ClientRoutine):
+    """FedPAC's round: statistics, head epoch(s), extractor epochs, centroids. Statistics only
+    when the variant mixes heads; alignment and centroids only when it aligns."""
+
+    method: FedPAC
+
+    def local_update(self, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+                     generator: torch.Generator) -> ClientResult:
+        x, y = data.x, data.y
+        num_classes = model.num_classes
+        before = None
+        if self.method.collaborate:
+            before = feature_statistics(class_feature_sums(model.extractor, x, y, num_classes))
+        head_loss = train_head(model, x, y, cfg, generator)
+        centroids, mask = alignment_targets(received.sections, x.device)
+        alignment: AlignmentTerm | None = None
+        if self.method.align and centroids is not None and mask is not None and bool(mask.any()):
+            alignment = partial(alignment_loss, centroids=centroids, mask=mask)
+        train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align)
+
+        statistics: p.NDArrays = {}
+        if self.method.align:
+            local_centroids = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
+            statistics[p.CENTROID_VALUES] = to_numpy(local_centroids)
+        if self.method.align or self.method.collaborate:  # n_ik weight centroids and define h_i's p_ik
+            statistics[p.CLASS_COUNTS] = to_numpy(class_counts(y, num_classes)).astype(np.int64)
+        metrics: dict[str, float] = {}
+        if before is not None:
+            statistics[p.H] = to_numpy(before.h.float())
+            metrics[p.V] = before.v
+        metrics["head-loss"] = head_loss
+        if self.method.align:
+            metrics["align-loss"] = align
+        return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics)

@@ -1,0 +1,211 @@
+"""The building blocks every method's local update trains with, in plain PyTorch: one epoch
+loop (:func:`sgd_epochs`), head epochs on frozen features, extractor epochs with an optional
+alignment term, the whole model's epochs, and evaluation. The methods' own routines are in their
+packages (``common/methods/<family>/client.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common import protocol as p
+from common.config import FedPACConfig
+from common.model import FedPACNet
+
+# An alignment term: (features, labels) -> a scalar loss; its weight is applied by the caller.
+AlignmentTerm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _batches(num_samples: int, batch_size: int, generator: torch.Generator, device: torch.device):
+    order = torch.randperm(num_samples, generator=generator).to(device)
+    return order.split(batch_size)
+
+
+def autocast(x: torch.Tensor, cfg: FedPACConfig):
+    """bfloat16 autocast when ``mixed-precision`` is on: no loss scaling needed, and the
+    statistics and centroid passes stay in float32/float64 (they run outside it)."""
+    return torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision)
+
+
+def sgd(params, lr: float, cfg: FedPACConfig) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def sgd_epochs(  # pylint: disable=too-many-arguments
+    optimizer: torch.optim.Optimizer,
+    batch_loss: Callable[[torch.Tensor], torch.Tensor],
+    epochs: int,
+    num_samples: int,
+    batch_size: int,
+    generator: torch.Generator,
+    device: torch.device,
+) -> float:
+    """The epoch loop every routine trains with: ``epochs`` passes over a fresh shuffle of the
+    ``num_samples`` samples, one ``optimizer`` step per minibatch on ``batch_loss(indices)``.
+
+    Returns the mean loss over every sample seen (0 when no epoch ran). The running sum stays on
+    the device: reading a loss back every step would wait for the GPU each time.
+    """
+    total, seen = torch.zeros((), device=device), 0
+    for _ in range(epochs):
+        for idx in _batches(num_samples, batch_size, generator, device):
+            loss = batch_loss(idx)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach() * len(idx)
+            seen += len(idx)
+    return float(total / seen) if seen else 0.0
+
+
+def train_head(  # pylint: disable=too-many-arguments
+    model: FedPACNet,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: FedPACConfig,
+    generator: torch.Generator,
+    epochs: int | None = None,
+    lr: float | None = None,
+) -> float:
+    """Epochs of the head alone on frozen features; returns the mean CE.
+
+    Defaults to FedPAC's ``head-epochs`` at ``head-lr`` (also FedCCFA's personal head); FedRep,
+    FedAvg-FT and FedCCFA's balanced head pass their own.
+
+    The features are extracted once, not once an epoch: the extractor is frozen and has neither
+    dropout nor batch norm (``common.model``), so every epoch would compute the same f(x). With
+    FedRep's 10 head epochs or FedAvg-FT's 5 fine-tuning epochs, that repeated forward pass was
+    most of the head's cost. They are extracted in chunks of the training batch size because a
+    CPU convolution's last bits depend on the batch's size (not on which samples are in it):
+    a full batch then trains on the very features a forward pass of that batch would give.
+    """
+    epochs = cfg.head_epochs if epochs is None else epochs
+    if epochs == 0:
+        return 0.0
+    model.train()
+    with torch.no_grad(), autocast(x, cfg):  # the extractor is frozen: no graph through it at all
+        features = torch.cat([model.extractor(chunk) for chunk in x.split(cfg.batch_size)])
+    optimizer = sgd(model.head.parameters(), cfg.head_lr if lr is None else lr, cfg)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        with autocast(x, cfg):
+            return F.cross_entropy(model.head(features[idx]).float(), y[idx])
+
+    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
+
+
+def train_extractor(  # pylint: disable=too-many-arguments
+    model: FedPACNet,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: FedPACConfig,
+    generator: torch.Generator,
+    alignment: AlignmentTerm | None = None,
+    weight: float = 0.0,
+    epochs: int | None = None,
+) -> tuple[float, float]:
+    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen:
+    CE + ``weight`` * ``alignment`` (FedPAC eq. 3, FedCCFA's contrastive term), or plain CE.
+
+    Returns the mean total loss and the mean (unweighted) alignment term over all batches.
+    """
+    model.train()
+    model.head.requires_grad_(False)
+    optimizer = sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
+    align_with = alignment if weight > 0 else None
+    total_align = torch.zeros((), device=x.device)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        nonlocal total_align
+        with autocast(x, cfg):
+            features = model.extractor(x[idx])
+            logits = model.head(features)
+        loss = F.cross_entropy(logits.float(), y[idx])
+        if align_with is not None:
+            align = align_with(features.float(), y[idx])
+            loss = loss + weight * align
+            total_align += align.detach() * len(idx)
+        return loss
+
+    epochs = cfg.local_epochs if epochs is None else epochs
+    try:
+        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
+    finally:
+        model.head.requires_grad_(True)
+    seen = epochs * len(x)  # every epoch is one pass over all samples (sgd_epochs)
+    return mean_loss, float(total_align / seen) if seen else 0.0
+
+
+def train_joint(
+    model: FedPACNet, x: torch.Tensor, y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator
+) -> float:
+    """``local-epochs`` epochs of the whole model, plain CE, at the baselines' step size eta
+    (``extractor-lr``): FedAvg, FedPer and Local-only (the authors' ``local_training``)."""
+    model.train()
+    optimizer = sgd(model.parameters(), cfg.extractor_lr, cfg)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        with autocast(x, cfg):
+            logits = model(x[idx])
+        return F.cross_entropy(logits.float(), y[idx])
+
+    return sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device)
+
+
+def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    return torch.bincount(y, minlength=num_classes).to(torch.float64)
+
+
+def head_state(model: FedPACNet) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.head.state_dict().items()}
+
+
+EVALUATION_BATCH = 1024
+
+
+@torch.no_grad()
+def extract_features(extractor: nn.Module, x: torch.Tensor, batch_size: int = EVALUATION_BATCH) -> torch.Tensor:
+    """f_theta(x) for a whole set, without gradients, in float32, batch by batch (the batches
+    :func:`evaluate` uses, so what a head makes of them is the same bits as a full forward pass)."""
+    return torch.cat([extractor(x[start : start + batch_size]).float() for start in range(0, len(x), batch_size)])
+
+
+@torch.no_grad()
+def evaluate_head(head: nn.Module, features: torch.Tensor, y: torch.Tensor,
+                  batch_size: int = EVALUATION_BATCH) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``head`` on features already extracted."""
+    loss = torch.zeros((), device=features.device)
+    correct = torch.zeros((), device=features.device)
+    for start in range(0, len(features), batch_size):
+        logits = head(features[start : start + batch_size])
+        target = y[start : start + batch_size]
+        loss += F.cross_entropy(logits, target, reduction="sum")
+        correct += (logits.argmax(dim=1) == target).sum()
+    return float(loss / len(features)), float(correct / len(features))
+
+
+def evaluate(model: FedPACNet, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
+    model.eval()
+    return evaluate_head(model.head, extract_features(model.extractor, x), y)
+
+
+def alignment_targets(received_sections: p.Sections, device: torch.device
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The alignment targets the server sent (section ``centroids``: FedPAC's global class
+    centroids, FedCCFA's anchors of this client) and their mask, on ``device``; ``(None, None)``
+    when the message has none."""
+    if p.CENTROIDS not in received_sections:
+        return None, None
+    arrays = received_sections[p.CENTROIDS]
+    return (torch.as_tensor(arrays[p.CENTROID_VALUES], dtype=torch.float32, device=device),
+            torch.as_tensor(arrays[p.CENTROID_MASK], dtype=torch.bool, device=device))
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as the numpy array a reply carries."""
+    return tensor.detach().cpu().numpy()
