@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(prints, indent=1) + "\n")
     if args.compare:
         before = json.loads(args.compare.read_text())
-        changed = sorted(name for name in prints if before.get(name) != prints[name])
-        print("same as before" if not changed else f"changed: {', '.join(changed)}")
+        changed = sorted(name for name in prints if name in before and before[name] != prints[name])
+        new = sorted(set(prints) - set(before))
+        print(("same as before" if not changed else f"changed: {', '.join(changed)}")
+              + (f" (new, nothing to compare with: {', '.join(new)})" if new else ""))
         return 1 if changed else 0
     return 0
 

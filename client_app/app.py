@@ -12,12 +12,11 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
 from common import protocol as p
-from common.config import FedPACConfig, parse_run_config
+from common.config import FedPACConfig, configured_method, parse_run_config
 from common.cpu import keep_freed_memory
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.drift import Drift, label_map
-from common.methods import METHODS
-from common.methods.base import LocalData, Received, client_routine
+from common.methods.client import LocalData, Received, SiteState, client_routine
 from common.model import FedPACNet, weights_digest
 from common.partition import client_split
 from common.training import evaluate_head, extract_features
@@ -200,7 +199,7 @@ def train(msg: Message, context: Context) -> Message:
     data = _local_data(cfg, context, device, server_round)
     received = Received(server_round=server_round, sections={k: v for k, v in sections.items() if k != p.MODEL},
                         config=dict(msg.content.config_records[p.CONFIG]))
-    routine = client_routine(METHODS[cfg.strategy])
+    routine = client_routine(configured_method(cfg))
     result = routine.local_update(model, data, received, cfg, _generator(cfg, server_round, partition_id))
 
     metrics = MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: result.num_examples,
@@ -219,7 +218,7 @@ def _local_data(cfg: FedPACConfig, context: Context, device: torch.device, serve
     partition_id, num_partitions = partition_of(context)
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     return LocalData(x, current_concept(y, cfg, partition_id, server_round),
-                     x_test, current_concept(y_test, cfg, partition_id, server_round))
+                     x_test, current_concept(y_test, cfg, partition_id, server_round), SiteState(context.state))
 
 
 def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int,
@@ -263,7 +262,7 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     partition_id, _ = partition_of(context)
     device = next(model.parameters()).device
     data = _local_data(cfg, context, device, server_round)
-    model = client_routine(METHODS[cfg.strategy]).before_evaluation(
+    model = client_routine(configured_method(cfg)).before_evaluation(
         model, data, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, data.x_test, data.y_test)
     _keep_site_model(model, cfg, context, server_round, accuracy)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from common.clustering import WEIGHTS
 from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS
+from common.methods.base import Method, settings_of
 from common.methods.pfedvem import SAMPLE_PROTOCOLS
 from common.sites import PartitionMap
 
@@ -45,6 +46,9 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
 
     # Method: FedPAC or one of the paper's baselines/ablations (``common.methods.METHODS``)
     strategy: str = "fedpac"
+    # The methods' own knobs (``common.methods.base.setting``) given in the run config, as sorted
+    # (key, value) pairs: a method declares them in its own package, not here.
+    method_settings: tuple[tuple[str, Any], ...] = ()
     # Federation
     num_server_rounds: int = 20
     fraction_train: float = 1.0
@@ -217,6 +221,13 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 def _validate(cfg: FedPACConfig) -> None:
     k = FedPACConfig.key
     _check(cfg.strategy in METHODS, k("strategy"), cfg.strategy, f"one of {', '.join(METHODS)}")
+    settings = dict(cfg.method_settings)
+    for method in METHODS.values():  # every method's knobs given, not only the run's method's
+        for key in settings.keys() & settings_of(method).keys():
+            try:
+                method.configured({key: settings[key]})
+            except ValueError as err:
+                raise ConfigError(f"run config '{key}' = {settings[key]!r} is invalid: {err}") from err
     _check(cfg.num_server_rounds >= 1, k("num_server_rounds"), cfg.num_server_rounds, ">= 1")
     for name in ("fraction_train", "fraction_evaluate"):
         value = getattr(cfg, name)
@@ -365,18 +376,39 @@ def parse_run_config(run_config: Mapping[str, Any]) -> FedPACConfig:
     Keys missing from ``run_config`` take their defaults; unknown keys are an error so that a
     typo never silently falls back to a default.
     """
-    known = {FedPACConfig.key(f.name): f for f in fields(FedPACConfig)}
-    unknown = sorted(set(run_config) - set(known))
+    known = {FedPACConfig.key(f.name): f for f in fields(FedPACConfig) if f.name != "method_settings"}
+    method_keys = method_settings()
+    unknown = sorted(set(run_config) - set(known) - set(method_keys))
     if unknown:
         raise ConfigError(f"unknown run config key(s): {', '.join(unknown)}")
-    values = {
+    values: dict[str, Any] = {
         field.name: _coerce(key, run_config[key], type(field.default))
         for key, field in known.items()
         if key in run_config
     }
+    # only the settings that differ from their defaults: pyproject.toml declares every key (so that
+    # `flwr run` accepts it), and a run's identity must not change with the knobs of other methods
+    given = {key: _coerce(key, run_config[key], type(field.default)) for key, field in method_keys.items()
+             if key in run_config}
+    values["method_settings"] = tuple(sorted(
+        (key, value) for key, value in given.items() if value != method_keys[key].default))
     cfg = _apply_dataset(FedPACConfig(**values))
     _validate(cfg)
     return cfg
+
+
+def method_settings() -> dict[str, Any]:
+    """Every method's own run-config knobs, by key (each declared once, by its method's class)."""
+    keys: dict[str, Any] = {}
+    for method in METHODS.values():
+        for key, field in settings_of(method).items():
+            keys.setdefault(key, field)
+    return keys
+
+
+def configured_method(cfg: FedPACConfig) -> Method:
+    """The run's method, with the settings the run config gives it."""
+    return METHODS[cfg.strategy].configured(dict(cfg.method_settings))
 
 
 # The paper's named datasets fix the model's input and output shapes (the server builds the

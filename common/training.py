@@ -140,10 +140,12 @@ def train_extractor(  # pylint: disable=too-many-arguments
     return mean_loss, float(total_align / seen) if seen else 0.0
 
 
-def train_joint(
-    model: FedPACNet, x: torch.Tensor, y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator
+def train_joint(  # pylint: disable=too-many-arguments
+    model: FedPACNet, x: torch.Tensor, y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> float:
-    """``local-epochs`` epochs of the whole model, plain CE, at the baselines' step size eta
+    """``local-epochs`` epochs of the whole model, plain CE (plus ``penalty()``, a term of the
+    parameters alone, such as FedProx's proximal term), at the baselines' step size eta
     (``extractor-lr``): FedAvg, FedPer and Local-only (the authors' ``local_training``)."""
     model.train()
     optimizer = sgd(model.parameters(), cfg.extractor_lr, cfg)
@@ -151,9 +153,22 @@ def train_joint(
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
         with autocast(x, cfg):
             logits = model(x[idx])
-        return F.cross_entropy(logits.float(), y[idx])
+        loss = F.cross_entropy(logits.float(), y[idx])
+        return loss if penalty is None else loss + penalty()
 
     return sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device)
+
+
+def proximal_term(model: nn.Module, anchor: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+    """(weight / 2) ||w - w_anchor||^2 over every parameter of ``model``: FedProx's proximal term
+    (anchor: the received global model) and Ditto's pull of the personal model towards it."""
+    squares = [(param - anchor[name]).square().sum() for name, param in model.named_parameters()]
+    return 0.5 * weight * torch.stack(squares).sum()
+
+
+def parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of ``model``'s parameters: a fixed anchor for :func:`proximal_term`."""
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -77,7 +77,8 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     finished cells stay usable when the config grows. ``ignore`` leaves further fields out
     (``--extend`` compares cells of different lengths).
     """
-    defaults = asdict(FedPACConfig())
+    # as JSON holds them (a stored config was read from it): the method settings' pairs are lists
+    defaults, current = json.loads(json.dumps(asdict(FedPACConfig()))), json.loads(json.dumps(current))
     skip = {*not_identity(current), *ignore}
     for key, value in current.items():
         if key in skip:
@@ -116,6 +117,8 @@ class Cell:
         config = asdict(parse_run_config(self.run_config))
         for name in not_identity(config):
             config.pop(name)
+        if not config["method_settings"]:  # as before methods had settings: the same cell keys
+            config.pop("method_settings")
         return {"clients": self.clients, "config": config}
 
     @property

@@ -3,6 +3,7 @@ run config's ``strategy`` names), writes outputs and checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, fields
@@ -16,9 +17,8 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.aggregation import Clustering
-from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
+from common.config import ConfigError, FedPACConfig, configured_method, dataset_defaults_note, parse_run_config
 from common.drift import drift_fields_free
-from common.methods import METHODS
 from common.model import EMBEDDING_DIM, FedPACNet, split_state
 from common.partition import dominant_class_groups
 from common.sites import PartitionMap, SiteRegistry
@@ -94,7 +94,8 @@ def resume_command(cfg: FedPACConfig, directory: Path) -> str:
     run-config keys that differ from the defaults, plus ``resume-from``."""
     defaults = FedPACConfig()
     keys = [f"{FedPACConfig.key(f.name)}={_toml(getattr(cfg, f.name))}" for f in fields(FedPACConfig)
-            if f.name != "resume_from" and getattr(cfg, f.name) != getattr(defaults, f.name)]
+            if f.name not in ("resume_from", "method_settings") and getattr(cfg, f.name) != getattr(defaults, f.name)]
+    keys += [f"{key}={_toml(value)}" for key, value in cfg.method_settings]
     keys.append(f"resume-from={_toml(str(directory))}")
     return f'flwr run . <federation> --run-config "{" ".join(keys)}"'
 
@@ -125,7 +126,9 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
             f"run config 'resume-from': checkpoint is a '{checkpoint.strategy}' run, this run's "
             f"strategy is '{cfg.strategy}'"
         )
-    differences = config_differences(checkpoint.config, asdict(cfg), checkpoint.completed_rounds)
+    # as the checkpoint saved it: through JSON, where the method settings' pairs are lists
+    current = json.loads(json.dumps(asdict(cfg)))
+    differences = config_differences(checkpoint.config, current, checkpoint.completed_rounds)
     if differences:
         raise ConfigError(
             f"run config 'resume-from': this run's config differs from the checkpoint's, so it would "
@@ -167,7 +170,7 @@ def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
 def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
     """Run (or resume) the configured method until ``num-server-rounds`` rounds are complete."""
     checkpoint = _resume(cfg)  # fails before any training on a bad checkpoint
-    method = METHODS[cfg.strategy]
+    method = configured_method(cfg)
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
     if method.keeps_posteriors:  # every posterior starts at the prior mean w^0
         head = initial_prior_head(cfg)

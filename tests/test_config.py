@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, FedPACConfig, dataset_defaults_note, parse_run_config
+from common.config import ConfigError, FedPACConfig, dataset_defaults_note, method_settings, parse_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,10 @@ def test_every_key_the_run_config_reads_is_declared_for_flwr_run():
     import dataclasses
 
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert {f.name.replace("_", "-") for f in dataclasses.fields(FedPACConfig)} == set(table)
+    declared = {f.name.replace("_", "-") for f in dataclasses.fields(FedPACConfig) if f.name != "method_settings"}
+    assert declared | set(method_settings()) == set(table)
+    # and at each method's own default, so that a run that leaves a knob alone records no setting
+    assert all(table[key] == field.default for key, field in method_settings().items())
 
 
 @pytest.mark.parametrize(

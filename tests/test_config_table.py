@@ -159,6 +159,9 @@ BAD_VALUES: dict[str, list[Bad]] = {
     "device": [Bad("tpu", "one of auto, cpu, cuda"), Bad("", "one of auto, cpu, cuda")],
     "output-dir": [Bad("", "a non-empty path")],
     "save-model-every": [Bad(-1, ">= 0")],
+    # the methods' own settings (common.methods.base.setting)
+    "prox-mu": [Bad(-0.01, "must be >= 0")],
+    "ditto-lambda": [Bad(-1.0, "must be >= 0")],
 }
 
 NO_INVALID_VALUE: dict[str, str] = {

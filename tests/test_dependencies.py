@@ -40,7 +40,9 @@ LEVELS = ("base", "server", "simulation", "test")
 # What each install runs; a file belongs to the first install whose entry points import it
 # (directly or through other files of the repository), every other file to `test`.
 ENTRY_POINTS = {
-    "base": ("client_app", "deploy/fast_supernode.py", "deploy/warm_executor.py", "deploy/long_poll.py",
+    # the methods' packages too: the ClientApp loads each method's client part by name
+    # (common.methods.client.client_routine), which no import statement shows
+    "base": ("client_app", "common/methods", "deploy/fast_supernode.py", "deploy/warm_executor.py", "deploy/long_poll.py",
              "deploy/flower_pin.py"),
     "server": ("server_app", "deploy/patient_superlink.py", "deploy/export_partitions.py"),
     "simulation": ("experiments",),

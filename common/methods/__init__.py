@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from common.methods.base import Alignment, Method, Rule
 from common.methods.baselines import Baseline
+from common.methods.ditto import Ditto
 from common.methods.fedccfa import FedCCFA
 from common.methods.fedpac import FedPAC
+from common.methods.fedprox import FedProx
 from common.methods.pfedvem import PFedVEM
 
 FEDPAC = FedPAC("fedpac")
@@ -37,6 +39,10 @@ METHODS: dict[str, Method] = {
         FedCCFA("fedccfa"),
         # pFedVEM: a Bayesian linear head per client, confidence-weighted prior mean, FedAvg base.
         PFedVEM("pfedvem"),
+        # FedProx: FedAvg with a proximal term in the local objective.
+        FedProx("fedprox"),
+        # Ditto: FedAvg's global model, and a personal model at each site regularized towards it.
+        Ditto("ditto"),
     )
 }
 

@@ -17,27 +17,16 @@ head phi) on the same data. Their server steps differ in
   their class means back.
 
 A method's package (``common/methods/<family>/``) holds the :class:`Method` subclass in its
-``__init__.py`` and its client part in ``client.py``; :func:`client_routine` finds the client part
-of any method, so the ClientApp names no method. The client part is loaded only where it runs
-(a ClientApp, a test): the server's math (the QP's solver) is no dependency of a site.
+``__init__.py`` and its client part in ``client.py`` (``common.methods.client``).
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-from common import protocol as p
-
-if TYPE_CHECKING:  # the client part's types: a Method itself is pure data
-    import torch
-
-    from common.config import FedPACConfig
-    from common.model import FedPACNet
-
+from typing import Any
 
 class Rule(str, Enum):
     """What the server does with one part of the model (extractor or head) after a round."""
@@ -62,10 +51,26 @@ class Alignment(str, Enum):
     ANCHORS = "anchors"  # FedCCFA: contrastive, to the anchors of the client's class clusters
 
 
+# The run-config key of a method's setting, in its field's metadata (:func:`setting`).
+RUN_CONFIG_KEY = "run-config"
+
+
+def setting(default: Any, key: str) -> Any:
+    """A method's own knob: a field of its class that the run config sets under ``key`` (kebab
+    case, unique across methods). The class's ``__post_init__`` validates it (a ``ValueError``
+    there becomes the run config's error for ``key``)."""
+    return field(default=default, metadata={RUN_CONFIG_KEY: key})
+
+
+def settings_of(method: type[Method] | Method) -> dict[str, dataclasses.Field]:
+    """A method class's settings by run-config key."""
+    return {f.metadata[RUN_CONFIG_KEY]: f for f in dataclasses.fields(method) if RUN_CONFIG_KEY in f.metadata}
+
+
 @dataclass(frozen=True)
 class Method:
     """One federated method, as the flags the server acts on; its package's ``client.py`` holds
-    what a client does."""
+    what a client does. A subclass may add its own run-config knobs with :func:`setting`."""
 
     name: str
     extractor: Rule = Rule.AVERAGE
@@ -83,6 +88,12 @@ class Method:
         shares_plain_base = self.extractor is Rule.AVERAGE and self.alignment is Alignment.NONE
         if self.head is Rule.CONFIDENCE and not shares_plain_base:
             raise ValueError(f"{self.name}: posteriors come with an averaged extractor and no feature alignment")
+
+    def configured(self, values: Mapping[str, Any]) -> Method:
+        """This method with its settings taken from ``values`` (run-config key -> value; keys of
+        other methods' settings are ignored)."""
+        changes = {f.name: values[key] for key, f in settings_of(self).items() if key in values}
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def needs_statistics(self) -> bool:
@@ -146,64 +157,3 @@ class Method:
     def has_alpha(self) -> bool:
         """Whether rounds produce a combination-weight matrix (for the alpha plots)."""
         return self.head is Rule.MIX
-
-
-# --------------------------------------------------------------------------- the client part
-
-
-@dataclass(frozen=True)
-class LocalData:
-    """A client's data on the training device, labels in its concept of this round."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Received:
-    """What the server sent this round besides the model: the message's other sections, as
-    numpy arrays (``common.protocol``), and its config record."""
-
-    server_round: int = 1
-    sections: p.Sections = field(default_factory=dict)
-    config: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ClientResult:
-    """What one round of local training sends back besides the trained model: n_i, the last
-    phase's loss, the arrays of the reply's ``statistics`` section and the method's own metrics
-    (``common.protocol`` keys). A method sends only what its server step uses."""
-
-    num_examples: int
-    train_loss: float
-    statistics: p.NDArrays = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-class ClientRoutine:
-    """A method's client part: one round of local training, and what a client does to the
-    received model before evaluating it (nothing, but for FedAvg-FT)."""
-
-    def __init__(self, method: Method) -> None:
-        self.method = method
-
-    def local_update(self, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
-                     generator: torch.Generator) -> ClientResult:
-        """Train ``model`` (as received: the global extractor and the client's head) in place."""
-        raise NotImplementedError
-
-    def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
-                          generator: torch.Generator) -> FedPACNet:
-        """The model the client evaluates: by default the one it received."""
-        del data, cfg, generator
-        return model
-
-
-def client_routine(method: Method) -> ClientRoutine:
-    """The client part of ``method``: ``Routine`` in ``client.py`` next to its class's module."""
-    package = type(method).__module__
-    module = importlib.import_module(f"{package}.client")
-    return module.Routine(method)

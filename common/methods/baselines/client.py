@@ -9,7 +9,7 @@ import copy
 import torch
 
 from common.config import FedPACConfig
-from common.methods.base import ClientResult, ClientRoutine, LocalData, Received
+from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.baselines import Baseline
 from common.model import FedPACNet
 from common.training import train_extractor, train_head, train_joint

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from common import protocol as p
 from common.clustering import entropy_weight
 from common.config import FedPACConfig
-from common.methods.base import ClientResult, ClientRoutine, LocalData, Received
+from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedccfa import FedCCFA
 from common.model import HEAD_PREFIX, FedPACNet
 from common.statistics import class_feature_sums

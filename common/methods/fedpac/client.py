@@ -15,7 +15,7 @@ import torch
 
 from common import protocol as p
 from common.config import FedPACConfig
-from common.methods.base import ClientResult, ClientRoutine, LocalData, Received
+from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedpac import FedPAC
 from common.model import FedPACNet
 from common.statistics import class_feature_sums, feature_statistics

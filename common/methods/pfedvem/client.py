@@ -7,7 +7,7 @@ import torch
 
 from common import protocol as p
 from common.config import FedPACConfig
-from common.methods.base import ClientResult, ClientRoutine, LocalData, Received
+from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.pfedvem import PFedVEM
 from common.model import FedPACNet
 from common.training import autocast, evaluate, extract_features, sgd_epochs, to_numpy

@@ -1,0 +1,102 @@
+"""What every method's client part is: one round of local training on the site's data, and
+what the client does to a received model before evaluating it.
+
+A method's package (``common/methods/<family>/``) holds its client part in ``client.py``, a
+:class:`ClientRoutine` named ``Routine``; :func:`client_routine` finds it for any method, so the
+ClientApp names no method. The client part is loaded only where it runs (a ClientApp, a test):
+the server's math (the QP's solver) is no dependency of a site.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+
+from common import protocol as p
+from common.config import FedPACConfig
+from common.methods.base import Method
+from common.model import FedPACNet
+
+
+class SiteState:
+    """What a method keeps at the site from one round to the next (Ditto's personal model), by
+    name: arrays in the node's Flower ``Context.state``, which the SuperNode keeps for the run
+    (not across a SuperNode restart) and never sends to the server."""
+
+    PREFIX = "method-state."
+
+    def __init__(self, records: RecordDict | None = None) -> None:
+        self.records = RecordDict() if records is None else records
+
+    def get(self, name: str) -> p.NDArrays | None:
+        """The arrays kept under ``name``, or None before the first :meth:`put`."""
+        record = self.records.array_records.get(self.PREFIX + name)
+        return None if record is None else p.from_record(record)
+
+    def put(self, name: str, arrays: p.NDArrays) -> None:
+        self.records[self.PREFIX + name] = p.to_record(arrays)
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """A client's data on the training device, labels in its concept of this round, and what its
+    method keeps at the site."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    state: SiteState = field(default_factory=SiteState)
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the server sent this round besides the model: the message's other sections, as
+    numpy arrays (``common.protocol``), and its config record."""
+
+    server_round: int = 1
+    sections: p.Sections = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one round of local training sends back besides the trained model: n_i, the last
+    phase's loss, the arrays of the reply's ``statistics`` section and the method's own metrics
+    (``common.protocol`` keys). A method sends only what its server step uses."""
+
+    num_examples: int
+    train_loss: float
+    statistics: p.NDArrays = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ClientRoutine:
+    """A method's client part: one round of local training, and what a client does to the
+    received model before evaluating it (nothing, but for FedAvg-FT)."""
+
+    def __init__(self, method: Method) -> None:
+        self.method = method
+
+    def local_update(self, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+                     generator: torch.Generator) -> ClientResult:
+        """Train ``model`` (as received: the global extractor and the client's head) in place."""
+        raise NotImplementedError
+
+    def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
+                          generator: torch.Generator) -> FedPACNet:
+        """The model the client evaluates: by default the one it received."""
+        del data, cfg, generator
+        return model
+
+
+def client_routine(method: Method) -> ClientRoutine:
+    """The client part of ``method``: ``Routine`` in ``client.py`` next to its class's module."""
+    package = type(method).__module__
+    module = importlib.import_module(f"{package}.client")
+    return module.Routine(method)
