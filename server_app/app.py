@@ -16,18 +16,17 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import Clustering
 from common.config import ConfigError, FedPACConfig, configured_method, dataset_defaults_note, parse_run_config
 from common.drift import drift_fields_free
-from common.model import EMBEDDING_DIM, FedPACNet, split_state
+from common.methods.server import server_part
+from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
 from common.sites import PartitionMap, SiteRegistry
-from common.variational import VEMProtocol, initial_global_head
 from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
 from server_app.grid import ResponsiveGrid, is_simulation
 from common.files import atomic_write, npz_bytes
 from server_app.report import FinalDelivery, RoundRecord, RunReport
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 
 app = ServerApp()
 
@@ -48,25 +47,12 @@ def model_shape(cfg: FedPACConfig) -> tuple[int, int, int]:
     return (cfg.num_classes, cfg.image_size, cfg.image_channels)
 
 
-def save_final_state(strategy: FedPAC, path: Path) -> None:
-    """Global extractor, centroids and every personalized head, in one .npz.
-
-    FedAvg's single head (pFedVEM's prior mean) is saved as ``head/...``; Local-only's
-    per-client extractors as ``client-<pid>/extractor...`` next to their heads; pFedVEM's
-    posterior scales as ``client-<pid>/scale/head...`` next to the posterior means.
-    """
-    arrays = {f"extractor/{k}": v for k, v in (strategy.extractor or {}).items()}
-    arrays["centroids"] = strategy.centroids
-    arrays["centroid_mask"] = strategy.centroid_mask
-    if strategy.method.keeps_global_head:
-        arrays.update({f"head/{k}": v for k, v in strategy.global_head.items()})
-    for pid, scale in sorted(strategy.posterior_scales.items()):
-        arrays.update({f"client-{pid}/scale/{k}": v for k, v in scale.items()})
-    for pid, head in sorted(strategy.heads.items()):
-        arrays.update({f"client-{pid}/{k}": v for k, v in head.items()})
-    for pid, extractor in sorted(strategy.local_extractors.items()):
-        arrays.update({f"client-{pid}/{k}": v for k, v in extractor.items()})
-    atomic_write(path, npz_bytes(arrays))
+def save_final_state(strategy: PersonalizedStrategy, path: Path) -> None:
+    """The method's final server state in one .npz (``ServerPart.final_arrays``): the shared
+    sections as ``<section>/<array>`` (the global extractor, FedAvg's head, FedPAC's centroids,
+    pFedVEM's prior mean), every client's as ``client-<pid>/<section>/<array>`` (personalized
+    heads, Local-only's extractors, FedCCFA's anchors, pFedVEM's posterior scales)."""
+    atomic_write(path, npz_bytes(strategy.server.final_arrays(strategy.state)))
 
 
 def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Checkpoint) -> None:
@@ -160,42 +146,28 @@ def config_differences(saved: dict, current: dict, completed_rounds: int) -> lis
     ]
 
 
-def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
-    """pFedVEM's w^0: W_bar, b_bar ~ N(0, 1) seeded by the run's seed (the code's ``torch.randn``,
-    not nn.Linear's initialization), in nn.Linear's layout: the (d, K) draw is transposed."""
-    weight, bias = initial_global_head(EMBEDDING_DIM, cfg.num_classes, torch.Generator().manual_seed(cfg.seed))
-    return {p.HEAD_WEIGHT: weight.T.contiguous().numpy(), p.HEAD_BIAS: bias.numpy()}
-
-
-def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunReport]:
+def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[PersonalizedStrategy, RunReport]:
     """Run (or resume) the configured method until ``num-server-rounds`` rounds are complete."""
     checkpoint = _resume(cfg)  # fails before any training on a bad checkpoint
-    method = configured_method(cfg)
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    if method.keeps_posteriors:  # every posterior starts at the prior mean w^0
-        head = initial_prior_head(cfg)
+    server = server_part(configured_method(cfg), cfg, extractor, head)
     groups = len(dominant_class_groups(cfg.num_classes))
     directory = run_directory(cfg, run_id)
     report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg))
     log(INFO, "%s outputs: %s", cfg.strategy, directory)
 
-    strategy = FedPAC(
-        initial_head=head,
-        method=method,
+    strategy = PersonalizedStrategy(
+        server=server,
         num_rounds=cfg.num_server_rounds,
         fraction_train=cfg.fraction_train,
         fraction_evaluate=cfg.fraction_evaluate,
         fused_evaluation=cfg.fused_evaluation,
         full_last_round=cfg.full_last_round,
         min_available_nodes=cfg.min_available_clients,
-        alpha_threshold=cfg.alpha_threshold,
-        qp_solver=cfg.qp_solver,
         min_train_replies=cfg.min_train_replies,
         max_failed_rounds=cfg.max_failed_rounds,
         max_samples_per_client=cfg.max_samples_per_client,
         max_weight_ratio=cfg.max_weight_ratio,
-        clustering=Clustering(cfg.cluster_eps, cfg.cluster_weights, cfg.clustered_anchors),
-        vem=VEMProtocol(cfg.vem_protocol, cfg.vem_sampling_rate, cfg.vem_initial_sigma),
         seed=cfg.seed,
         sites=SiteRegistry(PartitionMap.parse(cfg.partition_map), trusted_claims=is_simulation(grid)),
     )
@@ -203,26 +175,18 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         grid.reply_limit = strategy.max_reply_bytes
     if checkpoint is not None:
         strategy.restore(checkpoint)
-        extractor = checkpoint.extractor
         report.rounds = list(checkpoint.rounds)
         log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
 
     def end_of_round(record: RoundRecord) -> None:
         checkpoint = Checkpoint(
             completed_rounds=record.round,
-            extractor=strategy.extractor or extractor,
-            centroids=strategy.centroids,
-            centroid_mask=strategy.centroid_mask,
-            heads=strategy.heads,
+            state=strategy.state,
             rounds=[*report.rounds, record],
             model_shape=model_shape(cfg),
             seed=cfg.seed,
             strategy=cfg.strategy,
-            global_head=strategy.global_head if strategy.method.keeps_global_head else None,
-            client_extractors=strategy.local_extractors,
-            anchors=strategy.anchors,
             config=asdict(cfg),
-            posterior_scales=strategy.posterior_scales,
         )
         write_round_outputs(report, record, checkpoint)
         write_status("running", record.round)
@@ -241,12 +205,11 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[FedPAC, RunR
         remaining = cfg.num_server_rounds - strategy.round_offset
         if remaining > 0:
             strategy.start(
-                grid=grid, initial_arrays=p.to_record(extractor), num_rounds=remaining, timeout=cfg.round_timeout
+                grid=grid, initial_arrays=p.to_record(strategy.extractor), num_rounds=remaining,
+                timeout=cfg.round_timeout,
             )
         else:
             log(INFO, "Checkpoint already has %d rounds: nothing to train", strategy.round_offset)
-        if strategy.extractor is None:
-            strategy.extractor = extractor
         save_final_state(strategy, directory / "final_state.npz")
         # Every site ends the run with its model, whether or not the last round evaluated it. A
         # simulated client has no site to keep one (its head is in final_state.npz, saved first).

@@ -1,14 +1,17 @@
-"""Server checkpoints: everything needed to continue a FedPAC run after a stop or a crash.
+"""Server checkpoints: everything needed to continue a run after a stop or a crash.
 
 One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename) after every
-round: the global extractor, the global centroids and mask, every client's personalized head
-(by partition-id), the number of finished rounds, and the per-round records so far. Baselines
-add what their server keeps instead: FedAvg's global head, Local-only's per-client extractors,
-FedCCFA's per-client anchors, pFedVEM's prior mean (as the global head) and every client's
-posterior (its mean as the client's head, its scales by partition-id);
-the method's name is stored so that a run resumes only as the method it was. Node
-sampling, pFedVEM's sample S_t and local shuffling are seeded by (seed, round, partition-id), so no random generator
-state needs saving: a resumed run continues exactly where the stopped one would have.
+round: the method's server state (``common.methods.server.ServerState``: for FedPAC the global
+extractor and centroids and every client's personalized head by partition-id; for pFedVEM the
+base, the prior mean and every client's posterior; ...), as ``shared/<section>/<array>`` and
+``personal/<section>/<partition-id>/<array>``, the number of finished rounds, and the per-round
+records so far. The method's name is stored so that a run resumes only as the method it was.
+Node sampling, pFedVEM's sample S_t and local shuffling are seeded by (seed, round,
+partition-id), so no random generator state needs saving: a resumed run continues exactly where
+the stopped one would have.
+
+Checkpoints of format 1 (before the methods kept their state by section) are read too: their
+fields map onto the sections the methods keep now (:func:`_format_1_state`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import numpy as np
 
 from common import protocol as p
 from common.files import atomic_write, npz_bytes
+from common.methods.server import ServerState
 from server_app.report import RoundRecord, record_fields
 
 FILE_NAME = "checkpoint.npz"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 # RoundRecord fields whose keys are partition-ids (JSON turns them into strings).
 _KEYED_BY_PARTITION = (
     "train", "accuracy", "test_loss", "eval_seconds", "bytes_sent", "bytes_received", "generalized",
@@ -41,39 +46,21 @@ class Checkpoint:
     """The server's state after ``completed_rounds`` rounds."""
 
     completed_rounds: int
-    extractor: p.NDArrays
-    centroids: np.ndarray
-    centroid_mask: np.ndarray
-    heads: dict[int, p.NDArrays]
+    state: ServerState
     rounds: list[RoundRecord]
     model_shape: tuple[int, int, int]  # (num_classes, image_size, image_channels)
     seed: int
     strategy: str = "fedpac"  # the method (run config `strategy`)
-    global_head: p.NDArrays | None = None  # FedAvg's averaged head, pFedVEM's prior mean w
-    client_extractors: dict[int, p.NDArrays] = field(default_factory=dict)  # Local-only
-    # FedCCFA: each client's cluster anchors (K, d) and their mask (K,)
-    anchors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the validated run config (empty: older checkpoints)
-    # pFedVEM: each client's posterior scales s (its mean is in ``heads``), under the head's keys
-    posterior_scales: dict[int, p.NDArrays] = field(default_factory=dict)
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
     """Write ``directory/checkpoint.npz`` atomically; returns its path."""
-    arrays = {f"extractor/{k}": v for k, v in checkpoint.extractor.items()}
-    arrays["centroids"] = checkpoint.centroids
-    arrays["centroid_mask"] = checkpoint.centroid_mask
-    for pid, head in checkpoint.heads.items():
-        arrays.update({f"head/{pid}/{k}": v for k, v in head.items()})
-    for key, value in (checkpoint.global_head or {}).items():
-        arrays[f"global-head/{key}"] = value
-    for pid, extractor in checkpoint.client_extractors.items():
-        arrays.update({f"client-extractor/{pid}/{k}": v for k, v in extractor.items()})
-    for pid, (values, mask) in checkpoint.anchors.items():
-        arrays[f"anchors/{pid}/values"] = values
-        arrays[f"anchors/{pid}/mask"] = mask
-    for pid, scale in checkpoint.posterior_scales.items():
-        arrays.update({f"posterior-scale/{pid}/{k}": v for k, v in scale.items()})
+    arrays = {f"shared/{section}/{key}": value
+              for section, part in checkpoint.state.shared.items() for key, value in part.items()}
+    for section, by_partition in checkpoint.state.personal.items():
+        for pid, part in by_partition.items():
+            arrays.update({f"personal/{section}/{pid}/{key}": value for key, value in part.items()})
     meta = {
         "format": FORMAT_VERSION,
         "completed_rounds": checkpoint.completed_rounds,
@@ -112,9 +99,10 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
         meta = json.loads(str(arrays.pop("meta")))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
         raise CheckpointError(f"cannot read checkpoint {path} (truncated or not a checkpoint?): {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"checkpoint {path} has format {found}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"checkpoint {path} has format {found}, expected one of "
+                              f"{', '.join(map(str, READABLE_FORMATS))}")
     try:
         return _unpacked(arrays, meta)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -125,30 +113,57 @@ def load_checkpoint(location: str | Path) -> Checkpoint:
 
 def _unpacked(arrays: dict[str, np.ndarray], meta: dict) -> Checkpoint:
     """The checkpoint held by an archive's arrays and its ``meta`` record."""
-    per_partition: dict[str, dict[int, p.NDArrays]] = {
-        section: {} for section in ("head", "client-extractor", "anchors", "posterior-scale")
-    }
-    for name, value in arrays.items():
-        section, _, rest = name.partition("/")
-        if section in per_partition:
-            pid, key = rest.split("/", 1)
-            per_partition[section].setdefault(int(pid), {})[key] = value
-    global_head = {k[len("global-head/"):]: v for k, v in arrays.items() if k.startswith("global-head/")}
+    state = _format_1_state(arrays) if meta["format"] == 1 else _state(arrays)
     return Checkpoint(
         completed_rounds=int(meta["completed_rounds"]),
-        extractor={k[len("extractor/"):]: v for k, v in arrays.items() if k.startswith("extractor/")},
-        centroids=arrays["centroids"],
-        centroid_mask=arrays["centroid_mask"].astype(bool),
-        heads=per_partition["head"],
+        state=state,
         rounds=[_record(r) for r in meta["rounds"]],
         model_shape=tuple(meta["model_shape"]),
         seed=int(meta["seed"]),
         strategy=str(meta.get("strategy", "fedpac")),  # checkpoints from before the baselines
-        global_head=global_head or None,
-        client_extractors=per_partition["client-extractor"],
-        anchors={
-            pid: (parts["values"], parts["mask"].astype(bool)) for pid, parts in per_partition["anchors"].items()
-        },
         config=dict(meta.get("config", {})),
-        posterior_scales=per_partition["posterior-scale"],
     )
+
+
+def _state(arrays: dict[str, np.ndarray]) -> ServerState:
+    state = ServerState()
+    for name, value in arrays.items():
+        kind, _, rest = name.partition("/")
+        if kind == "shared":
+            section, key = rest.split("/", 1)
+            state.shared.setdefault(section, {})[key] = value
+        elif kind == "personal":
+            section, pid, key = rest.split("/", 2)
+            state.personal.setdefault(section, {}).setdefault(int(pid), {})[key] = value
+        else:
+            raise ValueError(f"array '{name}' is neither shared/... nor personal/...")
+    return state
+
+
+# Format 1's per-partition groups, and the sections the methods keep them in now.
+_FORMAT_1_PERSONAL = {"head": "head", "client-extractor": "extractor", "anchors": "anchors",
+                      "posterior-scale": "scale"}
+
+
+def _format_1_state(arrays: dict[str, np.ndarray]) -> ServerState:
+    """A format-1 checkpoint's fields as the sections the methods keep: the extractor and the
+    global head (FedAvg's, pFedVEM's prior mean) shared, the centroids shared as ``centroids``
+    (values and mask; a method that keeps none drops them on restore), heads, Local-only's
+    extractors, FedCCFA's anchors and pFedVEM's scales per partition."""
+    state = ServerState()
+    state.shared["extractor"] = {k.removeprefix("extractor/"): v for k, v in arrays.items()
+                                 if k.startswith("extractor/")}
+    head = {k.removeprefix("global-head/"): v for k, v in arrays.items() if k.startswith("global-head/")}
+    if head:
+        state.shared["head"] = head
+    state.shared["centroids"] = {p.CENTROID_VALUES: arrays["centroids"].astype(np.float32),
+                                 p.CENTROID_MASK: arrays["centroid_mask"].astype(bool)}
+    for name, value in arrays.items():
+        group, _, rest = name.partition("/")
+        if group in _FORMAT_1_PERSONAL:
+            pid, key = rest.split("/", 1)
+            if group == "anchors":  # values, mask
+                key = p.CENTROID_VALUES if key == "values" else p.CENTROID_MASK
+                value = value.astype(np.float32) if key == p.CENTROID_VALUES else value.astype(bool)
+            state.personal.setdefault(_FORMAT_1_PERSONAL[group], {}).setdefault(int(pid), {})[key] = value
+    return state

@@ -1,20 +1,16 @@
-"""The FedPAC Strategy on Flower's Message API, and through it the paper's baselines.
+"""The personalized-FL Strategy on Flower's Message API: the glue every method runs through.
 
-Per round: every selected node gets its own message (global extractor, global centroids, and
-*its* personalized head); ``aggregate_train`` averages extractors by samples (eq. 18),
-centroids by class counts (eq. 19), solves each replying client's collaboration QP and stores
-the mixed heads by partition-id; ``configure_evaluate`` sends every node its new head.
-After the last round, :meth:`FedPAC.deliver` sends the final model to every bound site that no
-evaluation of that round reached, so every site ends the run with its personalized model.
+Per round: every selected node gets its own message (the model its method's server part gives
+its partition: for FedPAC the global extractor with *its* personalized head, and the global
+centroids); ``aggregate_train`` checks the replies and hands the valid ones to the method's
+server step; ``configure_evaluate`` sends every node its new model. After the last round,
+:meth:`PersonalizedStrategy.deliver` sends the final model to every bound site that no evaluation
+of that round reached, so every site ends the run with its personalized model.
 
-The baselines and ablations (``common.methods``) run through the same class: a method only
-says what happens to each model part (averaged, mixed, or kept per client by partition-id)
-and whether centroids travel, so sampling, discovery, reply validation, the partition-id
-bookkeeping and checkpoints are shared. A method that keeps posteriors (pFedVEM) has every
-client's posterior kept here by partition-id, sent down with the prior mean and returned
-trained; a method that aggregates a sample has the server draw the round's S_t itself. The math
-lives in ``common.aggregation``, ``common.collaboration`` and ``common.variational``; this file
-is the glue.
+What a method does (``common/methods/<family>/server.py``, a ``ServerPart``) and what it keeps
+(a ``ServerState``: arrays by section, global or by partition-id) are its own; discovery,
+sampling, reply framing and validation, the partition-id bookkeeping, failed rounds, the round
+records and the checkpoints are shared here, and name no method.
 """
 
 from __future__ import annotations
@@ -30,12 +26,9 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import Clustering, RoundAggregate, aggregate_round
 from common.averaging import capped_sample_weights
-from common.methods import FEDPAC, Alignment, Method, Rule
-from common.simplex_qp import FAR_DIAGONAL
+from common.methods.server import EXTRACTOR, ServerPart, ServerState
 from common.sites import Identity, SiteRegistry, fingerprint
-from common.variational import VEMProtocol, draw_sample, softplus_inverse
 from server_app.replies import (
     ClientEvaluation,
     ClientInfo,
@@ -61,19 +54,8 @@ DISCOVERY_ATTEMPT = 120.0
 DELIVERY_POLL = 1.0
 
 
-# The anchors key of the one global anchor set (``clustered-anchors = false``): not a partition-id.
-GLOBAL_ANCHORS = -1
-
-
 class FederationStalled(RuntimeError):
     """Too many rounds in a row without enough valid replies: the run stops."""
-
-
-def _stacked(values: list) -> np.ndarray | None:
-    """One array over the round's replies, or None for a statistic the method does not use
-    (reply validation guarantees it is then absent from every reply)."""
-    return None if values[0] is None else np.stack(values)
-
 
 
 def _most_common(values: list[int]) -> int:
@@ -82,15 +64,14 @@ def _most_common(values: list[int]) -> int:
     return max(set(values), key=lambda v: (values.count(v), v))
 
 
-class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
-    """FedPAC: feature alignment + classifier collaboration (Xu et al., ICLR 2023).
+class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attributes
+    """A personalized-FL method (its ``ServerPart``) on Flower's Message API.
 
     Parameters
     ----------
-    initial_head : dict[str, np.ndarray]
-        The initial classifier head: what a client that never trained gets.
-    method : Method
-        FedPAC (default) or one of its baselines/ablations from ``common.methods.METHODS``.
+    server : ServerPart
+        The method's server part (``common.methods.server.server_part``): its state, what it
+        sends, what a reply must carry, its step.
     num_rounds : int
         Total rounds, so that the last one can include every client.
     fraction_train, fraction_evaluate : float
@@ -104,28 +85,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         Train every connected node in the last round (the paper's protocol).
     min_available_nodes : int
         Wait until at least this many nodes are connected before sampling.
-    alpha_threshold : float
-        Combination weights below this are zeroed (then rows renormalized).
     min_train_replies : int
         A round aggregates only with at least this many valid training replies; otherwise the
         global state stays as it is and the next round tries again.
     max_failed_rounds : int
         How many such rounds in a row are tolerated: the next one stops the run with a clear
         message (0: the first one does).
-    qp_solver : str
-        ``vectorized`` (all clients' QPs at once, cvxpy for rows it cannot certify) or
-        ``cvxpy`` (one cvxpy solve per client, the reference).
     max_samples_per_client : int
         Replies claiming more training samples are rejected (0: no bound).
     max_weight_ratio : float
         A client's aggregation weight is at most this times the round's median (0: no cap).
-    clustering : Clustering
-        Clustered heads only (FedCCFA): the DBSCAN radius, member weights and anchor mode.
-    vem : VEMProtocol
-        Methods that aggregate a sample (pFedVEM) only: who trains (every client or S_t), the
-        sampling rate r of S_t, and the scale every client's posterior starts from.
     seed : int
-        Seeds node sampling and the sample S_t.
+        Seeds node sampling.
     sites : SiteRegistry, optional
         Who may serve which partition (``common.sites``); by default every node's own claim
         is believed, as in the simulation.
@@ -136,70 +107,41 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def __init__(  # pylint: disable=too-many-arguments
         self,
         *,
-        initial_head: p.NDArrays,
+        server: ServerPart,
         num_rounds: int,
-        method: Method = FEDPAC,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
         fused_evaluation: bool = False,
         full_last_round: bool = True,
         min_available_nodes: int = 2,
-        alpha_threshold: float = 1e-3,
-        qp_solver: str = "vectorized",
         min_train_replies: int = 1,
         max_failed_rounds: int = 3,
         max_samples_per_client: int = 0,
         max_weight_ratio: float = 10.0,
-        clustering: Clustering | None = None,
-        vem: VEMProtocol | None = None,
         seed: int = 0,
         sites: SiteRegistry | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
-        self.initial_head = initial_head
-        self.method = method
+        self.server = server
+        self.state: ServerState = server.initial_state()
         self.num_rounds = num_rounds
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
-        self.vem = vem or VEMProtocol()
-        # with a sample S_t that alone trains, fraction-train = 1 no longer means everyone trains
-        self.trains_every_client = fraction_train >= 1.0 and not (
-            method.aggregates_a_sample and not self.vem.all_train)
+        self.trains_every_client = server.trains_every_client(fraction_train)
         self.fused_evaluation = fused_evaluation and self.trains_every_client and fraction_evaluate >= 1.0
         self.fused_evaluation_requested = fused_evaluation
         self.full_last_round = full_last_round
         self.min_available_nodes = min_available_nodes
-        self.alpha_threshold = alpha_threshold
-        self.qp_solver = qp_solver
         self.min_train_replies = min_train_replies
         self.max_failed_rounds = max_failed_rounds
         self.failed_rounds = 0  # consecutive rounds without enough valid replies
-        self.clustering = clustering or Clustering()
         self.max_samples_per_client = max_samples_per_client
         self.max_weight_ratio = max_weight_ratio
         self.seed = seed
         self.on_round_end = on_round_end
-        # State, every per-client entry keyed by partition-id (node ids change between runs).
-        self.heads: dict[int, p.NDArrays] = {}  # personal heads (mixed or local)
-        self.global_head: p.NDArrays = dict(initial_head)  # the one head when heads are averaged
-        self.local_extractors: dict[int, p.NDArrays] = {}  # when extractors are not shared
-        # Posteriors (pFedVEM): the mean is the client's entry in ``heads`` (its head in the
-        # model), the pre-softplus scales s are here under the head's keys; ``global_head`` is the
-        # prior mean w. A client that never trained has mu = w^0 (``initial_head``) and s = s^0.
-        self.posterior_scales: dict[int, p.NDArrays] = {}
-        initial_s = softplus_inverse(self.vem.initial_sigma)
-        self.initial_scale = {key: np.full_like(value, initial_s) for key, value in initial_head.items()}
-        self.aggregation_sample: list[int] | None = None  # S_t (partition-ids), drawn by configure_train
-        num_classes, dim = initial_head[p.HEAD_WEIGHT].shape
-        self.centroids = np.zeros((num_classes, dim), dtype=np.float32)
-        self.centroid_mask = np.zeros(num_classes, dtype=bool)
-        # Per-client alignment targets (FedCCFA's cluster anchors): (K, d) values, (K,) mask.
-        self.anchors: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.sites = sites or SiteRegistry(trusted_claims=True)
         self.num_partitions: int | None = None  # as the clients report it at discovery
         self.discovery_timeout: float | None = None  # set once discover() has run
-        self.extractor_template: p.NDArrays | None = None
-        self.extractor: p.NDArrays | None = None  # the latest aggregated extractor
         # Rounds finished before this strategy started (a resumed run): Flower's loop counts
         # from 1, sampling and seeds use the run's absolute round number.
         self.round_offset = 0
@@ -222,12 +164,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """The nodes bound to a partition, and their partition-ids."""
         return self.sites.node_partition
 
+    @property
+    def extractor(self) -> p.NDArrays:
+        """The global extractor (Local-only: the initial one; each client's own is in the state)."""
+        return self.state.shared[EXTRACTOR]
+
     def summary(self) -> None:
         """Log the strategy's configuration."""
-        method = self.method
         log(INFO, "\t├──> Sites: partitions bound by %s", self.sites.describe())
-        log(INFO, "\t├──> Method %s: extractor %s, head %s, feature alignment %s", method.name,
-            method.extractor.value, method.head.value, method.alignment.value)
+        for line in self.server.summary():
+            log(INFO, "\t├──> %s", line)
         log(INFO, "\t├──> Sampling: fraction train %.2f (every client in the last round: %s), "
             "fraction evaluate %.2f, at least %d nodes", self.fraction_train, self.full_last_round,
             self.fraction_evaluate, self.min_available_nodes)
@@ -237,31 +183,16 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         elif self.fused_evaluation_requested:
             log(INFO, "\t├──> Evaluation: an evaluate message per round (fused evaluation needs "
                 "fraction-train = fraction-evaluate = 1)")
-        if method.head is Rule.MIX:
-            log(INFO, "\t└──> Collaboration: %s QP solver, weights below %g dropped",
-                self.qp_solver, self.alpha_threshold)
-        if method.aggregates_a_sample:
-            log(INFO, "\t└──> Protocol %s: %s train every round; the sample S_t (each client with "
-                "probability %g, at least 2, seeded by (seed %d, round)) is aggregated", self.vem.protocol,
-                "all clients" if self.vem.all_train else "only the clients in S_t", self.vem.sampling_rate,
-                self.seed)
-        if method.head is Rule.CLUSTER:
-            log(INFO, "\t└──> Class-level clustering: MADD radius %g, %s member weights, %s anchors",
-                self.clustering.eps, self.clustering.weights,
-                "clustered" if self.clustering.clustered_anchors else "global")
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Continue from a checkpoint: its heads, extractors, centroids, posteriors and round count."""
-        self.heads = {pid: dict(head) for pid, head in checkpoint.heads.items()}
-        if checkpoint.global_head is not None:
-            self.global_head = dict(checkpoint.global_head)
-        self.local_extractors = {pid: dict(ex) for pid, ex in checkpoint.client_extractors.items()}
-        self.posterior_scales = {pid: dict(scale) for pid, scale in checkpoint.posterior_scales.items()}
-        self.centroids = checkpoint.centroids.astype(np.float32)
-        self.centroid_mask = checkpoint.centroid_mask.astype(bool)
-        self.anchors = {pid: (values.astype(np.float32), mask.astype(bool))
-                        for pid, (values, mask) in checkpoint.anchors.items()}
-        self.extractor = dict(checkpoint.extractor)
+        """Continue from a checkpoint: the method's state (the sections it keeps) and the round count."""
+        kept = self.state.shared
+        self.state = ServerState(
+            shared={section: {k: np.array(v) for k, v in arrays.items()}
+                    for section, arrays in checkpoint.state.shared.items() if section in kept},
+            personal={section: {pid: {k: np.array(v) for k, v in arrays.items()} for pid, arrays in parts.items()}
+                      for section, parts in checkpoint.state.personal.items()},
+        )
         self.round_offset = checkpoint.completed_rounds
 
     # ------------------------------------------------------------------ sampling / messages
@@ -444,8 +375,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                     len(pending), wait)
         return replies, gone
 
-    def _sample(self, grid: Grid, fraction: float, server_round: int, full: bool) -> list[int]:
-        nodes = self._bound_nodes(grid)
+    def _sample(self, nodes: list[int], fraction: float, server_round: int, full: bool) -> list[int]:
+        """``fraction`` of ``nodes`` (all of them when ``full``), seeded by (seed, round)."""
         if full or not nodes:  # no node at all: a round without replies, counted as failed
             return nodes
         size = max(1, int(round(fraction * len(nodes))))
@@ -453,65 +384,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         # Choose positions, not ids: node ids are uint64 and numpy would turn them into floats.
         return [nodes[i] for i in sorted(rng.choice(len(nodes), size=size, replace=False))]
 
-    def _sample_for_aggregation(self, grid: Grid, server_round: int, full: bool) -> list[int]:
-        """Draw S_t (partition-ids) for ``aggregate_train``; return the nodes that train: every
-        connected node (``all-train``, or the last round with ``full-last-round``) or S_t's.
-
-        S_t is drawn over the partitions 0..J-1 (J as the clients report it), so it depends on
-        (seed, round) alone, not on node ids or on who happens to be connected.
-        """
-        nodes = self._bound_nodes(grid)
-        population = self.num_partitions if self.num_partitions is not None else len(nodes)
-        self.aggregation_sample = draw_sample(population, self.vem.sampling_rate, self.seed, server_round)
-        log(INFO, "round %d: sample S_t = partitions %s", server_round, self.aggregation_sample)
-        if self.vem.all_train or full:
-            return nodes
-        sample = set(self.aggregation_sample)
-        chosen = [n for n in nodes if self.node_partition.get(n) in sample]
-        missing = sample - {self.node_partition[n] for n in chosen}
-        if missing:
-            log(WARNING, "round %d: partitions %s of S_t have no connected node", server_round, sorted(missing))
-        return chosen
-
-    def head_of(self, node_id: int) -> p.NDArrays:
-        """The head for the client on ``node_id``: its personalized head phi^_i (initial if it
-        never trained), or the global head when the method averages heads (FedAvg)."""
-        pid = self.node_partition.get(node_id)
-        if not self.method.personal_heads:
-            return self.global_head
-        return self.initial_head if pid is None else self.heads.get(pid, self.initial_head)
-
-    def alignment_targets(self, node_id: int) -> p.NDArrays:
-        """What the client on ``node_id`` aligns its features to: the global centroids
-        (FedPAC), or its own cluster anchors (FedCCFA; none before its first reply)."""
-        if self.method.alignment is Alignment.ANCHORS:
-            num_classes, dim = self.initial_head[p.HEAD_WEIGHT].shape
-            no_anchors = (np.zeros((num_classes, dim), np.float32), np.zeros(num_classes, bool))
-            owner = self.node_partition.get(node_id) if self.clustering.clustered_anchors else GLOBAL_ANCHORS
-            values, mask = no_anchors if owner is None else self.anchors.get(owner, no_anchors)
-        else:
-            values, mask = self.centroids, self.centroid_mask
-        return {p.CENTROID_VALUES: values, p.CENTROID_MASK: mask.astype(np.uint8)}
-
-    def posterior_of(self, node_id: int) -> p.NDArrays:
-        """What a method that keeps posteriors sends beside the client's posterior mean (its
-        head): the prior mean w and the client's scales s (s^0 before its first reply)."""
-        pid = self.node_partition.get(node_id)
-        scale = self.initial_scale if pid is None else self.posterior_scales.get(pid, self.initial_scale)
-        return {p.PRIOR_WEIGHT: self.global_head[p.HEAD_WEIGHT], p.PRIOR_BIAS: self.global_head[p.HEAD_BIAS],
-                p.SCALE_WEIGHT: scale[p.HEAD_WEIGHT], p.SCALE_BIAS: scale[p.HEAD_BIAS]}
-
-    def extractor_of(self, node_id: int, extractor: p.NDArrays) -> p.NDArrays:
-        """The extractor for the client on ``node_id``: the global one, or, when extractors stay
-        local (Local-only), the client's own (the initial one before it first trains)."""
-        pid = self.node_partition.get(node_id)
-        if self.method.extractor is Rule.LOCAL and pid is not None:
-            return self.local_extractors.get(pid, extractor)
-        return extractor
-
     def _messages(
-        self, node_ids: list[int], extractor: p.NDArrays, message_type: str, server_round: int,
-        evaluate_round: int | None = None,
+        self, node_ids: list[int], message_type: str, server_round: int, evaluate_round: int | None = None,
     ) -> list[Message]:
         messages = []
         for node_id in node_ids:
@@ -519,14 +393,12 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             config = ConfigRecord({p.SERVER_ROUND: server_round})
             if evaluate_round is not None:
                 config[p.EVALUATE_ROUND] = evaluate_round
-            sections = {p.MODEL: {**self.extractor_of(node_id, extractor), **self.head_of(node_id)}}
-            if message_type == MessageType.TRAIN and self.method.needs_centroids:
-                sections[p.CENTROIDS] = self.alignment_targets(node_id)
-            if message_type == MessageType.TRAIN and self.method.needs_initial_head:
-                sections[p.INITIAL_HEAD] = self.initial_head
-                config[p.HAS_PERSONAL_HEAD] = self.node_partition.get(node_id) in self.heads
-            if message_type == MessageType.TRAIN and self.method.keeps_posteriors:
-                sections[p.POSTERIOR] = self.posterior_of(node_id)
+            pid = self.node_partition.get(node_id)
+            sections = {p.MODEL: self.server.model_for(self.state, pid)}
+            if message_type == MessageType.TRAIN:
+                extra, entries = self.server.train_sections(self.state, pid)
+                sections.update(extra)
+                config.update(entries)
             content = RecordDict({p.ARRAYS: p.pack(sections), p.CONFIG: config})
             self._bytes_sent[node_id] = self._bytes_sent.get(node_id, 0) + p.payload_bytes(content)
             messages.append(Message(content=content, message_type=message_type, dst_node_id=node_id))
@@ -536,22 +408,15 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send each sampled node the global extractor, the centroids and its own head (and,
-        with fused evaluation, the round whose model that is, to evaluate first)."""
+        """Send each sampled node its model and what its method sends with it (and, with fused
+        evaluation, the round whose model that is, to evaluate first)."""
         server_round += self.round_offset
         full = self.full_last_round and server_round == self.num_rounds
         # bind the nodes that joined since (or all of them, without a pre-flight): a node is sent
         # a model only once it is bound to its partition
         self.discover(grid, self.discovery_timeout or DISCOVERY_ATTEMPT, strict=False)
-        if self.method.aggregates_a_sample:
-            node_ids = self._sample_for_aggregation(grid, server_round, full)
-        else:
-            node_ids = self._sample(grid, self.fraction_train, server_round, full)
+        node_ids = self._trainers(grid, server_round, full)
         log(INFO, "configure_train: %d nodes%s", len(node_ids), " (all: last round)" if full else "")
-        extractor = p.from_record(arrays)
-        self.extractor_template = extractor
-        if self.extractor is None:
-            self.extractor = extractor
         self._record = RoundRecord(round=server_round, started=time.time())
         self._bytes_sent, self._bytes_received = {}, {}
         evaluate_round = None
@@ -559,7 +424,18 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
             # a round lasts from its train message to the next one, which carries its evaluation
             self._pending.seconds = self._record.started - self._pending.started
             evaluate_round = self._pending.round
-        return self._messages(node_ids, extractor, MessageType.TRAIN, server_round, evaluate_round)
+        return self._messages(node_ids, MessageType.TRAIN, server_round, evaluate_round)
+
+    def _trainers(self, grid: Grid, server_round: int, full: bool) -> list[int]:
+        """The nodes that train this round: those of the partitions the method draws itself
+        (pFedVEM's S_t), or ``fraction-train`` of the bound nodes."""
+        nodes = self._bound_nodes(grid)
+        population = self.num_partitions if self.num_partitions is not None else len(nodes)
+        chosen = self.server.select([self.node_partition[n] for n in nodes], population, server_round, full)
+        if chosen is None:
+            return self._sample(nodes, self.fraction_train, server_round, full)
+        partitions = set(chosen)
+        return [n for n in nodes if self.node_partition[n] in partitions]
 
     # ------------------------------------------------------------------ aggregation
 
@@ -567,8 +443,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """The most a valid reply can hold: one model (extractor + head) and statistics that are
         smaller than a second one (class means, h, a balanced head), plus 64 KiB for metrics and
         the .npz framing. Larger replies are refused before they are decoded."""
-        model = sum(a.nbytes for a in (self.extractor_template or {}).values())
-        model += sum(a.nbytes for a in self.initial_head.values())
+        model = sum(a.nbytes for a in self.server.extractor_template.values())
+        model += sum(a.nbytes for a in self.server.head_template.values())
         return 2 * model + 65536
 
     def _accept(self, msg: Message, parse: Callable[[Message], ClientUpdate | ClientEvaluation]):
@@ -610,16 +486,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The method's server step; for FedPAC: extractor average, centroid update,
-        collaboration QPs and head mixing."""
+        """Check the replies and run the method's server step on the valid ones."""
         server_round += self.round_offset
         replies = list(replies)
-        assert self.extractor_template is not None and self._record is not None
-        template = self.extractor_template
+        assert self._record is not None
 
         def parse(msg: Message) -> ClientUpdate:
-            return parse_train_reply(msg, template, self.initial_head, self.num_partitions, self.method,
-                                     self.max_samples_per_client)
+            return parse_train_reply(msg, self.server, self.num_partitions, self.max_samples_per_client)
 
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
@@ -630,7 +503,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         record = self._record
         record.rejected = len(replies) - len(updates)
         record.train = {
-            u.partition_id: {k: v for k, v in u.metrics.items() if k != p.PARTITION_ID} for u in updates
+            u.partition_id: {k: v for k, v in u.update.metrics.items() if k != p.PARTITION_ID} for u in updates
         }
         if len(updates) < self.min_train_replies:
             self.failed_rounds += 1
@@ -646,58 +519,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 message, self.failed_rounds, self.max_failed_rounds)
             return None, None
         self.failed_rounds = 0
-
-        # Every input below is listed in the order of `updates` (sorted by partition-id), so
-        # row i of alpha, h_i, V_i, n_i and head i all belong to the same client.
-        weights = self._sample_weights(updates)
-        in_sample = None
-        if self.method.aggregates_a_sample:
-            sample = set(self.aggregation_sample or [])
-            in_sample = [u.partition_id in sample for u in updates]
-            record.sampled = sorted(sample)
-        counts = _stacked([u.class_counts for u in updates])
-        if counts is not None:  # a capped client's class counts shrink with its weight
-            counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
-        result = aggregate_round(
-            extractors=[u.extractor for u in updates],
-            heads=[u.head for u in updates],
-            local_centroids=_stacked([u.centroids for u in updates]),
-            class_counts=counts,
-            h=_stacked([u.h for u in updates]),
-            v=_stacked([u.v for u in updates]),
-            num_examples=weights,
-            previous_centroids=self.centroids,
-            previous_mask=self.centroid_mask,
-            alpha_threshold=self.alpha_threshold,
-            solver=self.qp_solver,
-            method=self.method,
-            balanced_heads=[u.balanced_head for u in updates if u.balanced_head is not None] or None,
-            clustering=self.clustering,
-            # reply validation guarantees a rho in every reply of a method that keeps posteriors
-            rhos=[u.rho for u in updates if u.rho is not None] if self.method.keeps_posteriors else None,
-            in_sample=in_sample,
-            previous_extractor=self.extractor,
-            previous_head=self.global_head,
-        )
-        self._store(server_round, updates, result)
-        if result.aggregated is not None:
-            record.aggregated = [updates[i].partition_id for i in result.aggregated]
-            log(INFO, "Round %d: base and global head aggregated over partitions %s of S_t %s",
-                server_round, record.aggregated, record.sampled)
-            if not record.aggregated:
-                log(WARNING, "Round %d: no valid reply from S_t; the base and the global head stay as they "
-                    "were, the replying clients' posteriors are kept", server_round)
-        if result.collaboration is not None:
-            record.alpha_partitions = [u.partition_id for u in updates]
-            record.alpha = result.collaboration.alpha.tolist()
-            record.solver_status = result.collaboration.status
-            if result.collaboration.far_off:
-                log(WARNING, "Round %d: partitions %s report feature statistics (||h||^2 + V/n) over %g times a "
-                    "typical client's; no other client mixes their heads. Diverged, or not honest?", server_round,
-                    [updates[i].partition_id for i in result.collaboration.far_off], FAR_DIAGONAL)
-        if result.clusters is not None:
-            record.cluster_partitions = [u.partition_id for u in updates]
-            record.clusters = result.clusters.labels.tolist()
+        step = self.server.step(self.state, [u.update for u in updates], self._sample_weights(updates), server_round)
+        for name, value in step.record.items():
+            setattr(record, name, value)
         metrics = MetricRecord(
             {
                 p.TRAIN_LOSS: record.mean_train_loss,
@@ -706,14 +530,13 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                 "qp-fallbacks": record.qp_fallbacks,
             }
         )
-        # Flower carries the global extractor to the next phase; Local-only has none to carry
-        # and passes the initial one on unchanged (each client's own is in local_extractors).
-        assert self.extractor is not None  # set by configure_train
+        # Flower carries the global extractor to the next phase (Local-only's is the initial one:
+        # each client's own is in the state)
         return p.to_record(self.extractor), metrics
 
     def _sample_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
         """n_i for the averages, capped at ``max_weight_ratio`` times the others' median (logged)."""
-        claimed = np.array([u.num_examples for u in updates], dtype=np.float64)
+        claimed = np.array([u.update.num_examples for u in updates], dtype=np.float64)
         weights = capped_sample_weights(claimed, self.max_weight_ratio)
         for update, n, w in zip(updates, claimed, weights):
             if w < n:
@@ -721,45 +544,6 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
                     "times the other replies' median: weighted as %g", update.partition_id, n,
                     self.max_weight_ratio, w)
         return weights
-
-    def _store(self, server_round: int, updates: list[ClientUpdate], result: RoundAggregate) -> None:
-        """Keep the round's outcome: the global parts, and the per-client parts by partition-id.
-
-        Alignment targets that are not all finite are not kept: every client would align to them
-        next round (and the checkpoint would keep them). Reply validation lets none through;
-        this is the second guard, should an average overflow the model's dtype after all."""
-        if result.centroids is not None and result.centroid_mask is not None:
-            if np.isfinite(result.centroids).all():
-                self.centroids, self.centroid_mask = result.centroids, result.centroid_mask
-            else:
-                log(WARNING, "Round %d: the aggregated centroids are not all finite; the previous ones are kept",
-                    server_round)
-        if result.extractor is not None:
-            self.extractor = result.extractor
-        else:
-            for update in updates:
-                self.local_extractors[update.partition_id] = update.extractor
-        if not self.method.personal_heads:
-            self.global_head = result.heads[0]
-        else:
-            for update, head in zip(updates, result.heads):
-                self.heads[update.partition_id] = head
-        if result.global_head is not None:
-            self.global_head = result.global_head
-        for update in updates:
-            if update.scale is not None:
-                self.posterior_scales[update.partition_id] = update.scale
-        if result.clusters is not None:
-            anchors, mask = result.clusters.anchors, result.clusters.anchor_mask
-            finite = np.isfinite(anchors).all(axis=(1, 2))
-            if not finite.all():
-                log(WARNING, "Round %d: the merged anchors of partitions %s are not all finite; their previous "
-                    "ones are kept", server_round, [updates[i].partition_id for i in np.flatnonzero(~finite)])
-            for i, update in enumerate(updates):
-                if finite[i]:
-                    self.anchors[update.partition_id] = (anchors[i], mask[i])
-            if not self.clustering.clustered_anchors and finite[0]:  # the round's mean, for every client
-                self.anchors[GLOBAL_ANCHORS] = (anchors[0], mask[0])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -769,8 +553,9 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         server_round += self.round_offset
         if self._evaluated_with_next_train(server_round):
             return []
-        node_ids = self._sample(grid, self.fraction_evaluate, server_round, self.fraction_evaluate >= 1.0)
-        return self._messages(node_ids, p.from_record(arrays), MessageType.EVALUATE, server_round)
+        node_ids = self._sample(self._bound_nodes(grid), self.fraction_evaluate, server_round,
+                                self.fraction_evaluate >= 1.0)
+        return self._messages(node_ids, MessageType.EVALUATE, server_round)
 
     def _evaluated_with_next_train(self, server_round: int) -> bool:
         return self.fused_evaluation and server_round < self.num_rounds
@@ -814,7 +599,8 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
         record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
                               if e.generalized_accuracy is not None}
-        record.centroid_classes = int(self.centroid_mask.sum())
+        for name, value in self.server.closing_record(self.state).items():
+            setattr(record, name, value)
         if evaluations:
             log(INFO, "Round %d: mean personalized accuracy %.2f%% over %d clients", record.round,
                 100 * record.mean_accuracy, len(evaluations))
@@ -892,8 +678,7 @@ class FedPAC(Strategy):  # pylint: disable=too-many-instance-attributes
         """Send ``nodes`` the final model as an evaluate message; returns the accuracy of each
         partition whose valid evaluation came back, and every partition whose node answered at
         all (the SuperLink's word that a node is offline is no answer)."""
-        assert self.extractor is not None  # set by the rounds, or by restore()
-        messages = self._messages(nodes, self.extractor, MessageType.EVALUATE, self.num_rounds)
+        messages = self._messages(nodes, MessageType.EVALUATE, self.num_rounds)
         replies = list(grid.send_and_receive(messages, timeout=timeout))
         sent = destinations(self._sent)
         answered = set()

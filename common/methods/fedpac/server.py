@@ -1,0 +1,127 @@
+"""FedPAC's server step (Section 4): the extractor averaged by sample count (eq. 18), the global
+class centroids by class counts (eq. 19), and each replying client's head replaced by the mix of
+the replying clients' heads its collaboration QP weighs (eq. 11); the ablations switch either off."""
+
+from __future__ import annotations
+
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+from flwr.supercore import log
+
+from common import protocol as p
+from common.aggregation import aggregate_centroids
+from common.averaging import weighted_average
+from common.collaboration import collaboration_weights, mix_heads
+from common.config import FedPACConfig
+from common.methods.fedpac import FedPAC
+from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
+from common.simplex_qp import FAR_DIAGONAL
+from common.validation import class_counts, finite_as, metric, variance_metric
+
+CENTROIDS = "centroids"  # the state's section: the global class centroids and their mask
+
+
+class Server(ServerPart):
+    """FedPAC's server part: global extractor and centroids, a personalized head per client."""
+
+    method: FedPAC
+
+    def __init__(self, method: FedPAC, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
+        super().__init__(method, cfg, extractor, head)
+        self.num_classes, self.dim = head[p.HEAD_WEIGHT].shape
+
+    def initial_state(self) -> ServerState:
+        state = super().initial_state()
+        if self.method.align:  # no centroid before the first round: every class masked out
+            state.shared[CENTROIDS] = {p.CENTROID_VALUES: np.zeros((self.num_classes, self.dim), dtype=np.float32),
+                                       p.CENTROID_MASK: np.zeros(self.num_classes, dtype=bool)}
+        return state
+
+    def summary(self) -> list[str]:
+        lines = super().summary()
+        if self.method.collaborate:
+            lines.append(f"Collaboration: {self.cfg.qp_solver} QP solver, weights below {self.cfg.alpha_threshold:g} "
+                         "dropped")
+        return lines
+
+    def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
+        """The global centroids (feature alignment's targets) and their mask."""
+        if not self.method.align:
+            return {}, {}
+        centroids = state.shared[CENTROIDS]
+        return {p.CENTROIDS: {p.CENTROID_VALUES: centroids[p.CENTROID_VALUES],
+                              p.CENTROID_MASK: centroids[p.CENTROID_MASK].astype(np.uint8)}}, {}
+
+    def statistics_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Local centroids with alignment, h with collaboration, class counts with either."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.method.align:
+            shapes[p.CENTROID_VALUES] = (self.num_classes, self.dim)
+        if self.method.align or self.method.collaborate:
+            shapes[p.CLASS_COUNTS] = (self.num_classes,)
+        if self.method.collaborate:
+            shapes[p.H] = (self.num_classes, self.dim)
+        return shapes
+
+    def check(self, update: Update) -> Update:
+        """Centroids and h in the model's dtype, all finite there (the server's averages of them
+        are cast to it, and a float64 value that is finite but overflows it would make every
+        client's targets Inf); class counts that sum to n_i; V >= 0 up to rounding."""
+        stats, parsed = update.statistics, {}
+        dtype = self.head_template[p.HEAD_WEIGHT].dtype
+        if self.method.align:
+            parsed["centroids"] = finite_as(stats[p.CENTROID_VALUES], dtype,
+                                            f"statistics '{p.CENTROID_VALUES}'").astype(np.float64)
+        h = finite_as(stats[p.H], dtype, f"statistics '{p.H}'") if self.method.collaborate else None
+        if p.CLASS_COUNTS in stats:
+            parsed["class_counts"] = class_counts(stats, p.CLASS_COUNTS, update.num_examples)
+        if h is not None:
+            parsed["v"] = variance_metric(metric(update.metrics, p.V), h)
+            parsed["h"] = h.astype(np.float64)
+        return Update(**{**update.__dict__, "parsed": parsed})
+
+    def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
+        """Eq. 19, the collaboration QPs, eq. 18 and the head mixing, over ``updates`` in
+        partition order (row i of alpha, h_i, V_i, n_i and head i all belong to the same client)."""
+        result = StepResult()
+        counts = None
+        if self.method.align or self.method.collaborate:  # a capped client's class counts shrink with its weight
+            counts = np.stack([u.parsed["class_counts"] for u in updates])
+            counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
+        if self.method.align:
+            previous = state.shared[CENTROIDS]
+            centroids, mask = aggregate_centroids(np.stack([u.parsed["centroids"] for u in updates]), counts,
+                                                  previous[p.CENTROID_VALUES], previous[p.CENTROID_MASK])
+            # alignment targets that are not all finite are not kept: every client would align to
+            # them next round. Reply validation lets none through; this is the second guard,
+            # should an average overflow the model's dtype after all
+            if np.isfinite(centroids).all():
+                state.shared[CENTROIDS] = {p.CENTROID_VALUES: centroids, p.CENTROID_MASK: mask}
+            else:
+                log(WARNING, "Round %d: the aggregated centroids are not all finite; the previous ones are kept",
+                    server_round)
+        collaboration = None
+        if self.method.collaborate:
+            collaboration = collaboration_weights(np.stack([u.parsed["h"] for u in updates]),
+                                                  np.array([u.parsed["v"] for u in updates]), weights,
+                                                  self.cfg.alpha_threshold, self.cfg.qp_solver)
+        state.shared[EXTRACTOR] = weighted_average([u.extractor for u in updates], weights)
+        heads = [u.head for u in updates]
+        new_heads = mix_heads(heads, collaboration.alpha) if collaboration is not None else [dict(h) for h in heads]
+        for update, head in zip(updates, new_heads):
+            state.keep(HEAD, update.partition_id, head)
+        if collaboration is not None:
+            result.record.update(alpha_partitions=[u.partition_id for u in updates],
+                                 alpha=collaboration.alpha.tolist(), solver_status=collaboration.status)
+            if collaboration.far_off:
+                log(WARNING, "Round %d: partitions %s report feature statistics (||h||^2 + V/n) over %g times a "
+                    "typical client's; no other client mixes their heads. Diverged, or not honest?", server_round,
+                    [updates[i].partition_id for i in collaboration.far_off], FAR_DIAGONAL)
+        return result
+
+    def closing_record(self, state: ServerState) -> dict[str, Any]:
+        """How many classes have a global centroid."""
+        mask = state.shared.get(CENTROIDS, {}).get(p.CENTROID_MASK)
+        return {"centroid_classes": 0 if mask is None else int(mask.sum())}

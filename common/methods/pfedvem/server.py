@@ -1,0 +1,129 @@
+"""pFedVEM's server step: every replying client's posterior kept (its mean as the client's head,
+its scales s), and over the round's sample S_t the prior mean w averaged by confidence
+tau_j = 1 / rho_j^2 (eq. 7) and the base by sample count (``common.variational.aggregate_sample``)."""
+
+from __future__ import annotations
+
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.supercore import log
+
+from common import protocol as p
+from common.config import FedPACConfig
+from common.methods.pfedvem import PFedVEM
+from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
+from common.model import EMBEDDING_DIM
+from common.validation import InvalidReply, finite_as, metric
+from common.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head, softplus_inverse
+
+SCALE = "scale"  # the state's section: each client's posterior scales s, under the head's keys
+
+
+def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
+    """pFedVEM's w^0: W_bar, b_bar ~ N(0, 1) seeded by the run's seed (the code's ``torch.randn``,
+    not nn.Linear's initialization), in nn.Linear's layout: the (d, K) draw is transposed."""
+    weight, bias = initial_global_head(EMBEDDING_DIM, cfg.num_classes, torch.Generator().manual_seed(cfg.seed))
+    return {p.HEAD_WEIGHT: weight.T.contiguous().numpy(), p.HEAD_BIAS: bias.numpy()}
+
+
+class Server(ServerPart):
+    """pFedVEM's server part: the base and the prior mean w (``shared``), every client's posterior
+    (``personal``: its mean as ``head``, its scales as ``scale``). A client that never trained
+    has mu = w^0 and s = s^0."""
+
+    method: PFedVEM
+
+    def __init__(self, method: PFedVEM, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
+        super().__init__(method, cfg, extractor, head)
+        self.initial_head = initial_prior_head(cfg)  # every posterior starts at the prior mean w^0
+        self.vem = VEMProtocol(cfg.vem_protocol, cfg.vem_sampling_rate, cfg.vem_initial_sigma)
+        initial_s = softplus_inverse(self.vem.initial_sigma)
+        self.initial_scale = {key: np.full_like(value, initial_s) for key, value in self.initial_head.items()}
+        self.sample: list[int] = []  # S_t (partition-ids), drawn by select()
+
+    @property
+    def personal_heads(self) -> bool:
+        return True
+
+    def initial_state(self) -> ServerState:
+        state = super().initial_state()
+        state.shared[HEAD] = dict(self.initial_head)  # the prior mean w
+        return state
+
+    def summary(self) -> list[str]:
+        return [*super().summary(), f"Protocol {self.vem.protocol}: "
+                f"{'all clients' if self.vem.all_train else 'only the clients in S_t'} train every round; the "
+                f"sample S_t (each client with probability {self.vem.sampling_rate:g}, at least 2, seeded by "
+                f"(seed {self.cfg.seed}, round)) is aggregated"]
+
+    def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
+        """Beside the client's posterior mean (its head): the prior mean w and its scales s."""
+        scale = state.personal_part(SCALE, partition_id, self.initial_scale)
+        prior = state.shared[HEAD]
+        return {p.POSTERIOR: {p.PRIOR_WEIGHT: prior[p.HEAD_WEIGHT], p.PRIOR_BIAS: prior[p.HEAD_BIAS],
+                              p.SCALE_WEIGHT: scale[p.HEAD_WEIGHT], p.SCALE_BIAS: scale[p.HEAD_BIAS]}}, {}
+
+    def statistics_shapes(self) -> dict[str, tuple[int, ...]]:
+        num_classes, dim = self.head_template[p.HEAD_WEIGHT].shape
+        return {p.SCALE_WEIGHT: (num_classes, dim), p.SCALE_BIAS: (num_classes,)}
+
+    def check(self, update: Update) -> Update:
+        """rho with a finite, positive confidence 1/rho^2; the local model's accuracy in [0, 1];
+        the scales under the model's own head keys, finite in its dtype."""
+        rho = metric(update.metrics, p.RHO)
+        # tau = 1 / rho^2 weighs the client in the prior mean: rho = 0 would be an infinite weight,
+        # a rho whose square overflows a zero one (and an all-zero sum of weights)
+        squared = rho * rho
+        if not (rho > 0 and squared > 0 and 0.0 < 1.0 / squared < float("inf")):
+            raise InvalidReply(f"rho = {rho} must be a positive number with a finite, positive confidence 1/rho^2")
+        local = metric(update.metrics, p.LOCAL_ACCURACY)
+        if not 0.0 <= local <= 1.0:
+            raise InvalidReply(f"local accuracy {local} outside [0, 1]")
+        stats = update.statistics
+        scale = {p.HEAD_WEIGHT: finite_as(stats[p.SCALE_WEIGHT], self.head_template[p.HEAD_WEIGHT].dtype,
+                                          "posterior scales"),
+                 p.HEAD_BIAS: finite_as(stats[p.SCALE_BIAS], self.head_template[p.HEAD_BIAS].dtype,
+                                        "posterior scales")}
+        return Update(**{**update.__dict__, "parsed": {"rho": rho, "scale": scale}})
+
+    def trains_every_client(self, fraction_train: float) -> bool:
+        # with a sample S_t that alone trains, fraction-train = 1 no longer means everyone trains
+        return fraction_train >= 1.0 and self.vem.all_train
+
+    def select(self, partitions: list[int], population: int, server_round: int, full: bool) -> list[int] | None:
+        """Draw S_t over the partitions 0..J-1 (J as the clients report it), so it depends on
+        (seed, round) alone, not on node ids or on who happens to be connected; every client
+        trains (``all-train``, or the last round with ``full-last-round``) or S_t's."""
+        self.sample = draw_sample(population, self.vem.sampling_rate, self.cfg.seed, server_round)
+        log(INFO, "round %d: sample S_t = partitions %s", server_round, self.sample)
+        if self.vem.all_train or full:
+            return partitions
+        missing = set(self.sample) - set(partitions)
+        if missing:
+            log(WARNING, "round %d: partitions %s of S_t have no connected node", server_round, sorted(missing))
+        return [pid for pid in partitions if pid in set(self.sample)]
+
+    def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
+        sample = set(self.sample)
+        weight_key, bias_key = p.HEAD_WEIGHT, p.HEAD_BIAS
+        prior = state.shared[HEAD]
+        result = aggregate_sample(
+            [u.extractor for u in updates], [u.head[weight_key] for u in updates], [u.head[bias_key] for u in updates],
+            [u.parsed["rho"] for u in updates], weights, [u.partition_id in sample for u in updates],
+            state.shared[EXTRACTOR], (prior[weight_key], prior[bias_key]),
+        )
+        state.shared[EXTRACTOR] = result.extractor
+        for update in updates:  # the posterior persists: never reset to w
+            state.keep(HEAD, update.partition_id, dict(update.head))
+            state.keep(SCALE, update.partition_id, update.parsed["scale"])
+        state.shared[HEAD] = {weight_key: result.weight, bias_key: result.bias}
+        aggregated = [updates[i].partition_id for i in result.used]
+        log(INFO, "Round %d: base and global head aggregated over partitions %s of S_t %s",
+            server_round, aggregated, sorted(sample))
+        if not aggregated:
+            log(WARNING, "Round %d: no valid reply from S_t; the base and the global head stay as they were, "
+                "the replying clients' posteriors are kept", server_round)
+        return StepResult(record={"sampled": sorted(sample), "aggregated": aggregated})

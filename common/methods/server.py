@@ -1,0 +1,178 @@
+"""What every method's server part is: the state it keeps between rounds, what it sends each
+client, what a client's reply must carry, and its step after a round. Pure numpy (and the
+method's math): the Flower glue (``server_app.strategy``) calls it and names no method.
+
+A method's package (``common/methods/<family>/``) holds its server part in ``server.py``, a
+:class:`ServerPart` named ``Server``; :func:`server_part` finds it for any method. The state is a
+:class:`ServerState`: arrays by section, one global entry or one per partition-id, so the glue
+can checkpoint and save any method's state without knowing what it holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common import protocol as p
+from common.averaging import weighted_average
+from common.config import FedPACConfig
+from common.methods.base import Method, Rule
+from common.validation import InvalidReply
+
+# Sections of the state every method with a shared or a personal model part keeps.
+EXTRACTOR = "extractor"
+HEAD = "head"
+
+
+@dataclass
+class ServerState:
+    """What the server keeps between rounds: ``shared[section]`` one set of arrays for the whole
+    federation (the global extractor, FedAvg's head, the global centroids, ...), and
+    ``personal[section][partition_id]`` one per client (personalized heads, Local-only's
+    extractors, FedCCFA's anchors, pFedVEM's posterior scales). Keyed by partition-id: node ids
+    change between runs."""
+
+    shared: dict[str, p.NDArrays] = field(default_factory=dict)
+    personal: dict[str, dict[int, p.NDArrays]] = field(default_factory=dict)
+
+    def personal_part(self, section: str, partition_id: int | None, default: p.NDArrays) -> p.NDArrays:
+        """A client's arrays of ``section``: ``default`` before it has any (or for no partition)."""
+        if partition_id is None:
+            return default
+        return self.personal.get(section, {}).get(partition_id, default)
+
+    def keep(self, section: str, partition_id: int, arrays: p.NDArrays) -> None:
+        self.personal.setdefault(section, {})[partition_id] = arrays
+
+
+@dataclass(frozen=True)
+class Update:
+    """One client's training reply, its model and metrics checked by the glue, its
+    ``statistics`` by shape and finiteness against :meth:`ServerPart.statistics_shapes`, and
+    whatever the method derives from them in :meth:`ServerPart.check` (``parsed``)."""
+
+    partition_id: int
+    extractor: p.NDArrays
+    head: p.NDArrays
+    num_examples: int
+    metrics: dict[str, float]
+    statistics: p.NDArrays = field(default_factory=dict)
+    parsed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What a round's server step says beyond the new state: the round record's method fields
+    (``server_app.report.RoundRecord``: alpha, clusters, the sample S_t, ...) by name."""
+
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class ServerPart:
+    """A method's server part; this base is FedAvg's and the other baselines': each part of the
+    model is averaged over the replies by sample count (eq. 18) or kept per client
+    (:class:`Rule`), and nothing but the model travels."""
+
+    def __init__(self, method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
+        self.method = method
+        self.cfg = cfg
+        self.extractor_template = extractor
+        self.head_template = head
+        self.initial_head = head  # what a client that never trained gets
+
+    # ------------------------------------------------------------------ state
+
+    def initial_state(self) -> ServerState:
+        state = ServerState(shared={EXTRACTOR: dict(self.extractor_template)})
+        if not self.personal_heads:
+            state.shared[HEAD] = dict(self.initial_head)
+        return state
+
+    @property
+    def personal_heads(self) -> bool:
+        return self.method.head is not Rule.AVERAGE
+
+    def summary(self) -> list[str]:
+        """Lines for the log: how this method's server works."""
+        return [f"Method {self.method.name}: extractor {self.method.extractor.value}, head {self.method.head.value}, "
+                f"feature alignment {self.method.alignment.value}"]
+
+    # ------------------------------------------------------------------ what travels
+
+    def model_for(self, state: ServerState, partition_id: int | None) -> p.NDArrays:
+        """The model a client gets: the global extractor (Local-only: its own, the initial one
+        before it first trains) and its personalized head (the global one when heads are
+        averaged; the initial one before it first trains)."""
+        extractor = state.shared[EXTRACTOR]
+        if self.method.extractor is Rule.LOCAL:
+            extractor = state.personal_part(EXTRACTOR, partition_id, extractor)
+        head = state.personal_part(HEAD, partition_id, self.initial_head) if self.personal_heads else state.shared[HEAD]
+        return {**extractor, **head}
+
+    def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
+        """What a train message carries besides the model: sections and config entries."""
+        del state, partition_id
+        return {}, {}
+
+    def statistics_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The arrays a training reply's ``statistics`` section holds, with their shapes (none:
+        the reply has no such section)."""
+        return {}
+
+    def check(self, update: Update) -> Update:
+        """The reply's method-specific checks (raise :class:`InvalidReply`); returns the update
+        with what the step needs derived from its statistics (``parsed``)."""
+        return update
+
+    # ------------------------------------------------------------------ the round
+
+    def select(self, partitions: list[int], population: int, server_round: int, full: bool) -> list[int] | None:
+        """The partitions that train this round, where the method draws them itself (pFedVEM's
+        sample S_t); ``None``: the glue samples ``fraction-train`` of the nodes."""
+        del partitions, population, server_round, full
+        return None
+
+    def trains_every_client(self, fraction_train: float) -> bool:
+        """Whether every client trains every round (the condition of fused evaluation)."""
+        return fraction_train >= 1.0
+
+    def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
+        """The server step after a round with valid replies ``updates`` (in partition order) and
+        their sample weights n_i (capped: ``common.averaging.capped_sample_weights``)."""
+        del server_round
+        for part, section in ((self.method.extractor, EXTRACTOR), (self.method.head, HEAD)):
+            arrays = [getattr(u, section) for u in updates]
+            if part is Rule.AVERAGE:
+                state.shared[section] = weighted_average(arrays, weights)
+            else:
+                for update, own in zip(updates, arrays):
+                    state.keep(section, update.partition_id, dict(own))
+        return StepResult()
+
+    def closing_record(self, state: ServerState) -> dict[str, Any]:
+        """Round record fields taken from the state when a round's record closes."""
+        del state
+        return {}
+
+    # ------------------------------------------------------------------ saving
+
+    def final_arrays(self, state: ServerState) -> p.NDArrays:
+        """``final_state.npz``: the shared sections as ``<section>/<array>``, every client's as
+        ``client-<pid>/<section>/<array>``."""
+        arrays = {f"{section}/{key}": value for section, part in state.shared.items() for key, value in part.items()}
+        for section, by_partition in state.personal.items():
+            for pid, part in sorted(by_partition.items()):
+                arrays.update({f"client-{pid}/{section}/{key}": value for key, value in part.items()})
+        return arrays
+
+
+def server_part(method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> ServerPart:
+    """The server part of ``method``: ``Server`` in ``server.py`` next to its class's module."""
+    module = importlib.import_module(f"{type(method).__module__}.server")
+    return module.Server(method, cfg, extractor, head)
+
+
+__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update", "server_part"]
