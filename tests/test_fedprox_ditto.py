@@ -1,0 +1,137 @@
+"""FedProx and Ditto: the proximal term's value and gradient, FedProx's local update as FedAvg's
+plus that pull, Ditto's personal model trained towards the received global model and kept at the
+site (never in the reply), evaluated in the global model's place; and their settings."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
+from common.methods import METHODS
+from common.methods.client import LocalData, Received, SiteState, client_routine
+from common.methods.ditto import Ditto
+from common.methods.ditto.client import PERSONAL_MODEL
+from common.methods.fedprox import FedProx
+from common.model import FedPACNet
+from common.training import parameters_of, proximal_term
+
+CFG = FedPACConfig(local_epochs=2, batch_size=8, extractor_lr=0.05)
+
+
+def _setup(seed: int = 0) -> tuple[FedPACNet, LocalData]:
+    torch.manual_seed(seed)
+    model = FedPACNet(1, 28, 10)
+    x = torch.randn(32, 1, 28, 28)
+    y = torch.arange(32) % 4
+    return model, LocalData(x, y, x[:8], y[:8])
+
+
+def _update(method, model: FedPACNet, data: LocalData, seed: int = 0):
+    return client_routine(method).local_update(model, data, Received(), CFG, torch.Generator().manual_seed(seed))
+
+
+def _distance(model: FedPACNet, anchor: dict[str, torch.Tensor]) -> float:
+    return float(sum((q.detach() - anchor[name]).square().sum() for name, q in model.named_parameters()))
+
+
+def test_the_proximal_term_is_half_mu_times_the_squared_distance_and_pulls_towards_the_anchor():
+    model, _ = _setup()
+    anchor = {name: q.detach() + 0.5 for name, q in model.named_parameters()}
+    count = sum(q.numel() for q in model.parameters())
+    term = proximal_term(model, anchor, weight=0.2)
+    assert float(term.detach()) == pytest.approx(0.5 * 0.2 * 0.25 * count, rel=1e-5)
+    term.backward()
+    for name, q in model.named_parameters():  # d/dw (mu/2)||w - a||^2 = mu (w - a)
+        torch.testing.assert_close(q.grad, 0.2 * (q.detach() - anchor[name]))
+    frozen = parameters_of(model)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not torch.equal(frozen[next(iter(frozen))], next(model.parameters()))  # a copy, not a view
+
+
+def test_fedprox_with_mu_0_is_fedavg_and_a_larger_mu_keeps_the_update_nearer_the_global_model():
+    received, data = _setup()
+    anchor = parameters_of(received)
+    fedavg = copy.deepcopy(received)
+    _update(METHODS["fedavg"], fedavg, data)
+    distances = {}
+    for mu in (0.0, 0.5, 5.0):
+        model = copy.deepcopy(received)
+        result = _update(FedProx("fedprox", mu=mu), model, data)
+        assert result.num_examples == 32 and not result.statistics and not result.metrics
+        distances[mu] = _distance(model, anchor)
+        if mu == 0.0:
+            for a, b in zip(model.parameters(), fedavg.parameters()):
+                assert torch.equal(a, b)
+    assert distances[0.0] > distances[0.5] > distances[5.0] > 0
+
+
+def test_ditto_trains_a_personal_model_towards_the_received_global_one_and_keeps_it_at_the_site():
+    received, data = _setup()
+    anchor = parameters_of(received)
+    global_model = copy.deepcopy(received)
+    result = _update(Ditto("ditto", lam=1.0), global_model, data)
+    kept = data.state.get(PERSONAL_MODEL)
+    assert kept is not None and set(kept) == set(received.state_dict())
+    # the model that goes back is the global model trained as FedAvg's (plain CE), not the personal one
+    personal = copy.deepcopy(received)
+    personal.load_state_dict({k: torch.as_tensor(v) for k, v in kept.items()})
+    assert any(not torch.equal(a, b) for a, b in zip(personal.parameters(), global_model.parameters()))
+    assert set(result.metrics) == {"personal-loss"} and not result.statistics
+    # lambda pulls the personal model towards w^t: the larger, the nearer
+    distances = []
+    for lam in (0.0, 1.0, 10.0):
+        _, fresh = _setup()
+        _update(Ditto("ditto", lam=lam), copy.deepcopy(received), fresh)
+        kept = fresh.state.get(PERSONAL_MODEL)
+        model = copy.deepcopy(received)
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in kept.items()})
+        distances.append(_distance(model, anchor))
+    assert distances[0] > distances[1] > distances[2] > 0
+
+
+def test_ditto_continues_the_personal_model_it_kept_and_evaluates_it():
+    received, data = _setup()
+    routine = client_routine(Ditto("ditto"))
+    assert routine.before_evaluation(received, data, CFG, torch.Generator()) is not received  # a copy
+    first = routine.before_evaluation(received, data, CFG, torch.Generator())
+    for a, b in zip(first.parameters(), received.parameters()):  # nothing kept yet: the global model
+        assert torch.equal(a, b)
+    routine.local_update(copy.deepcopy(received), data, Received(), CFG, torch.Generator().manual_seed(0))
+    after_one = data.state.get(PERSONAL_MODEL)
+    evaluated = routine.before_evaluation(received, data, CFG, torch.Generator())
+    for name, value in evaluated.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), after_one[name])
+    # the next round starts from the kept personal model, not from the received global one
+    routine.local_update(copy.deepcopy(received), data, Received(), CFG, torch.Generator().manual_seed(1))
+    fresh = LocalData(data.x, data.y, data.x_test, data.y_test)
+    routine.local_update(copy.deepcopy(received), fresh, Received(), CFG, torch.Generator().manual_seed(1))
+    continued, restarted = data.state.get(PERSONAL_MODEL), fresh.state.get(PERSONAL_MODEL)
+    assert any(not np.array_equal(continued[k], restarted[k]) for k in continued)
+
+
+def test_the_site_state_lives_in_the_records_it_is_given():
+    from flwr.app import RecordDict  # pylint: disable=import-outside-toplevel
+
+    records = RecordDict()
+    SiteState(records).put("x", {"a": np.arange(3.0)})
+    np.testing.assert_array_equal(SiteState(records).get("x")["a"], np.arange(3.0))
+    assert SiteState(records).get("y") is None
+
+
+def test_the_settings_come_from_the_run_config_and_are_checked():
+    cfg = parse_run_config({"strategy": "fedprox", "prox-mu": 0.3, "ditto-lambda": 2.0})
+    assert configured_method(cfg) == FedProx("fedprox", mu=0.3)
+    assert configured_method(dataclasses.replace(cfg, strategy="ditto")) == Ditto("ditto", lam=2.0)
+    # a knob left at its default is not recorded: runs of other methods keep their identity
+    assert parse_run_config({"prox-mu": 0.01}).method_settings == ()
+    with pytest.raises(ConfigError, match="run config 'prox-mu' = -1.0 is invalid: must be >= 0"):
+        parse_run_config({"strategy": "fedavg", "prox-mu": -1.0})
+    with pytest.raises(ConfigError, match="wrong type"):
+        parse_run_config({"ditto-lambda": "1"})
+
