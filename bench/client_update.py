@@ -1,6 +1,6 @@
 """Benchmark: FedPAC's local update against a plain PyTorch loop over the same epochs and data.
 
-FedPAC's update (client_app/train.py: statistics pass, 1 head epoch, E extractor epochs with
+FedPAC's update (common/methods/fedpac/client.py: statistics pass, 1 head epoch, E extractor epochs with
 the alignment loss, centroid pass) versus the loop most people would write: a DataLoader over
 a TensorDataset and (1 + E) epochs of ordinary SGD on the whole model. Throughput counts the
 (1 + E) x n training samples for both, so FedPAC's two extra statistics passes count against it.
@@ -27,8 +27,10 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client_app.train import Received, local_update  # noqa: E402
+from common import protocol as p  # noqa: E402
 from common.config import parse_run_config  # noqa: E402
+from common.methods import METHODS  # noqa: E402
+from common.methods.client import LocalData, Received, client_routine  # noqa: E402
 from common.data import load_dataset, run_normalization, to_tensors  # noqa: E402
 from load import one_core_taken  # noqa: E402
 from common.model import FedPACNet  # noqa: E402
@@ -38,6 +40,12 @@ from common.partition import client_split  # noqa: E402
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def fedpac_update(model, x, y, centroids, mask, cfg, generator) -> None:  # noqa: ANN001
+    """FedPAC's local update, the global centroids (numpy, as the message carries them) received."""
+    received = Received(sections={p.CENTROIDS: {p.CENTROID_VALUES: centroids, p.CENTROID_MASK: mask}})
+    client_routine(METHODS[cfg.strategy]).local_update(model, LocalData(x, y, x, y), received, cfg, generator)
 
 
 def plain_loop(model, x, y, cfg, device) -> None:
@@ -69,8 +77,8 @@ def main() -> None:
     split = client_split(cfg, 0, 10)
     x, y = to_tensors(data.train_images[split.train_indices], split.train_labels,
                       *run_normalization(cfg, data), device)
-    centroids = torch.randn(cfg.num_classes, 128, device=device)
-    mask = torch.ones(cfg.num_classes, dtype=torch.bool, device=device)
+    centroids = torch.randn(cfg.num_classes, 128).numpy()
+    mask = torch.ones(cfg.num_classes, dtype=torch.bool).numpy()
     samples = (cfg.head_epochs + cfg.local_epochs) * len(x)
     if args.busy:
         busy(args, cfg, x, y, centroids, mask, samples, device)
@@ -83,8 +91,7 @@ def main() -> None:
             _sync(device)
             started = time.perf_counter()
             if name == "fedpac":
-                local_update(model, x, y, Received(targets=centroids, target_mask=mask), cfg,
-                             torch.Generator().manual_seed(repeat))
+                fedpac_update(model, x, y, centroids, mask, cfg, torch.Generator().manual_seed(repeat))
                 _sync(device)
             else:
                 plain_loop(model, x, y, cfg, device)
@@ -124,8 +131,7 @@ def busy(args, cfg, x, y, centroids, mask, samples, device) -> None:  # noqa: AN
                     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
                     started = time.perf_counter()
                     torch.set_num_threads(threads)
-                    local_update(model, x, y, Received(targets=centroids, target_mask=mask), cfg,
-                                 torch.Generator().manual_seed(repeat))
+                    fedpac_update(model, x, y, centroids, mask, cfg, torch.Generator().manual_seed(repeat))
                     _sync(device)
                     if repeat:
                         times.append(time.perf_counter() - started)

@@ -25,15 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 _CLIENT = r"""
 import sys, time
 import client_app.app as ca
-from client_app.train import Received, local_update
 from common.config import parse_run_config
+from common.methods import METHODS
+from common.methods.client import LocalData, Received, client_routine
 cfg = parse_run_config({"dataset": sys.argv[2]})
-x, y, _, _ = ca.client_tensors(cfg, 0, 20, ca.select_device("cpu"))
+data = LocalData(*ca.client_tensors(cfg, 0, 20, ca.select_device("cpu")))
 model = ca.FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
+routine = client_routine(METHODS[cfg.strategy])
 print("ready", flush=True)
 sys.stdin.readline()
 for _ in range(int(sys.argv[1])):
-    local_update(model, x, y, Received(), cfg, ca._generator(cfg, 1, 0))
+    routine.local_update(model, data, Received(), cfg, ca._generator(cfg, 1, 0))
 print("done", flush=True)
 """
 

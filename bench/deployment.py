@@ -154,8 +154,9 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 import client_app.app as ca
-from client_app.train import Received, local_update
 from common.config import parse_run_config
+from common.methods import METHODS
+from common.methods.client import LocalData, Received, client_routine
 t_import = time.perf_counter() - t0 + float(sys.argv[2])
 
 def message(cfg):
@@ -163,10 +164,10 @@ def message(cfg):
     s = time.perf_counter(); device = ca.select_device(cfg.device)
     model = ca.FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
     t["device set-up"] = time.perf_counter() - s
-    s = time.perf_counter(); x, y, _, _ = ca.client_tensors(cfg, 0, int(sys.argv[3]), device)
+    s = time.perf_counter(); data = LocalData(*ca.client_tensors(cfg, 0, int(sys.argv[3]), device))
     t["data loading"] = time.perf_counter() - s
     s = time.perf_counter()
-    local_update(model, x, y, Received(), cfg, ca._generator(cfg, 1, 0))
+    client_routine(METHODS[cfg.strategy]).local_update(model, data, Received(), cfg, ca._generator(cfg, 1, 0))
     t["compute"] = time.perf_counter() - s
     s = time.perf_counter()
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=model.state_dict())})

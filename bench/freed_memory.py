@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _UPDATES = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
-from client_app.train import Received, local_update
+from common import protocol as p
 from common.config import parse_run_config
+from common.methods import METHODS
+from common.methods.client import LocalData, Received, client_routine
 from common.cpu import keep_freed_memory
 from common.model import FedPACNet
 torch.set_num_threads(1)
@@ -42,13 +44,14 @@ if {dataset!r}:
                       *run_normalization(cfg, data), torch.device("cpu"))
 else:
     x, y = torch.randn(400, 1, 28, 28), torch.arange(400) % 10
-received = Received(targets=torch.randn(cfg.num_classes, 128),
-                    target_mask=torch.ones(cfg.num_classes, dtype=torch.bool))
+received = Received(sections={{p.CENTROIDS: {{p.CENTROID_VALUES: torch.randn(cfg.num_classes, 128).numpy(),
+                                             p.CENTROID_MASK: torch.ones(cfg.num_classes, dtype=torch.bool).numpy()}}}})
+routine = client_routine(METHODS[cfg.strategy])
 faults, seconds = [], []
 for seed in range({updates}):
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
     before, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-    local_update(model, x, y, received, cfg, torch.Generator().manual_seed(seed))
+    routine.local_update(model, LocalData(x, y, x, y), received, cfg, torch.Generator().manual_seed(seed))
     seconds.append(time.perf_counter() - started)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({{"kept": kept, "samples": len(x), "faults": faults[1:], "seconds": seconds[1:]}}))

@@ -1,6 +1,6 @@
 """Benchmark: head-only epochs on features extracted once, against a forward pass per batch.
 
-``client_app.train.train_head`` extracts the frozen extractor's features once and runs the head's
+``common.training.train_head`` extracts the frozen extractor's features once and runs the head's
 epochs on them; before, every batch of every epoch ran the extractor again
 (:func:`head_epochs_per_batch`, kept here as the baseline and as the reference of
 ``tests/test_train.py``). The methods that train a head alone for several epochs gain most:
@@ -18,6 +18,7 @@ Fashion-MNIST-sized samples by default); the ratio of medians is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,12 +32,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client_app import train  # noqa: E402
-from client_app.train import Received, finetune_head, local_update  # noqa: E402
+import common.methods.baselines.client as baselines_client  # noqa: E402
+import common.methods.fedpac.client as fedpac_client  # noqa: E402
+from common import protocol as p  # noqa: E402
 from common.config import FedPACConfig, parse_run_config  # noqa: E402
 from common.data import load_dataset, run_normalization, to_tensors  # noqa: E402
+from common.methods import METHODS  # noqa: E402
+from common.methods.baselines.client import finetune_head  # noqa: E402
+from common.methods.client import LocalData, Received, client_routine  # noqa: E402
 from common.model import FedPACNet  # noqa: E402
 from common.partition import client_split  # noqa: E402
+
+# The client parts whose ``train_head`` (``common.training``'s, looked up there) the workloads call.
+_HEAD_TRAINERS = (baselines_client, fedpac_client)
 
 
 def head_epochs_per_batch(  # pylint: disable=too-many-arguments
@@ -71,6 +79,15 @@ def head_epochs_per_batch(  # pylint: disable=too-many-arguments
     return float(total / seen)
 
 
+@contextlib.contextmanager
+def _per_batch_heads():
+    """Every workload's head epochs as :func:`head_epochs_per_batch`, while inside."""
+    with contextlib.ExitStack() as stack:
+        for module in _HEAD_TRAINERS:
+            stack.enter_context(mock.patch.object(module, "train_head", head_epochs_per_batch))
+        yield
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -80,9 +97,11 @@ def _workloads(cfg_of: Callable[[str], FedPACConfig], x: torch.Tensor, y: torch.
     """(name, head epochs per call, a callable running it on a fresh model) per workload."""
     def run_update(strategy: str) -> Callable[[FedPACNet, int], object]:
         cfg = cfg_of(strategy)
-        received = Received(targets=torch.randn(cfg.num_classes, 128, device=x.device),
-                            target_mask=torch.ones(cfg.num_classes, dtype=torch.bool, device=x.device))
-        return lambda model, seed: local_update(model, x, y, received, cfg, torch.Generator().manual_seed(seed))
+        received = Received(sections={p.CENTROIDS: {
+            p.CENTROID_VALUES: torch.randn(cfg.num_classes, 128).numpy(),
+            p.CENTROID_MASK: torch.ones(cfg.num_classes, dtype=torch.bool).numpy()}})
+        routine, data = client_routine(METHODS[strategy]), LocalData(x, y, x, y)
+        return lambda model, seed: routine.local_update(model, data, received, cfg, torch.Generator().manual_seed(seed))
 
     finetune_cfg = cfg_of("fedavg-ft")
     return [
@@ -120,7 +139,7 @@ def main() -> None:
             for variant in timings:
                 torch.manual_seed(repeat)
                 model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(device)
-                patch = mock.patch.object(train, "train_head", head_epochs_per_batch)
+                patch = _per_batch_heads()
                 _sync(device)
                 started = time.perf_counter()
                 if variant == "per batch":

@@ -15,11 +15,11 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from client_app.app import app as client_app
-from client_app.train import Received, local_update
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS, Rule
-from common.model import FedPACNet, split_state
+from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.model import HEAD_PREFIX, FedPACNet, split_state
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
@@ -257,6 +257,12 @@ def _changed(before, module):
     return [not torch.equal(b, a) for b, a in zip(before, module.parameters())]
 
 
+def _local_update(model, x, y, received: Received, cfg: FedPACConfig) -> ClientResult:
+    """The run's method's local update (no test split: x, y stand in for it)."""
+    return client_routine(METHODS[cfg.strategy]).local_update(
+        model, LocalData(x, y, x, y), received, cfg, torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(name):
     method = METHODS[name]
@@ -264,24 +270,26 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     cfg = FedPACConfig(strategy=name, local_epochs=1, batch_size=8, fedrep_head_epochs=2)
     extractor_before = [q.detach().clone() for q in model.extractor.parameters()]
     head_before = [q.detach().clone() for q in model.head.parameters()]
-    received = Received(server_round=cfg.align_from_round, targets=torch.randn(10, 128),
-                        target_mask=torch.ones(10, dtype=torch.bool),
-                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()},
-                        posterior={p.PRIOR_WEIGHT: torch.randn(10, 128), p.PRIOR_BIAS: torch.randn(10),
-                                   p.SCALE_WEIGHT: torch.full((10, 128), 0.54), p.SCALE_BIAS: torch.full((10,), 0.54)})
-    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
+    received = Received(server_round=cfg.align_from_round, sections={
+        p.CENTROIDS: {p.CENTROID_VALUES: torch.randn(10, 128).numpy(), p.CENTROID_MASK: np.ones(10, dtype=bool)},
+        p.INITIAL_HEAD: {HEAD_PREFIX + k: v.detach().numpy().copy() for k, v in model.head.state_dict().items()},
+        p.POSTERIOR: {p.PRIOR_WEIGHT: torch.randn(10, 128).numpy(), p.PRIOR_BIAS: torch.randn(10).numpy(),
+                      p.SCALE_WEIGHT: np.full((10, 128), 0.54, dtype=np.float32),
+                      p.SCALE_BIAS: np.full((10,), 0.54, dtype=np.float32)},
+    })
+    update = _local_update(model, x, y, received, cfg)
     assert all(_changed(extractor_before, model.extractor)) and all(_changed(head_before, model.head))
     assert update.num_examples == len(x)
-    assert (update.statistics is not None) == method.needs_statistics
-    assert (update.centroids is not None) == method.needs_centroids
-    assert (update.class_counts is not None) == method.sends_class_counts
-    assert (update.align_loss is not None) == method.needs_centroids
+    assert (p.H in update.statistics) == (p.V in update.metrics) == method.needs_statistics
+    assert (p.CENTROID_VALUES in update.statistics) == method.needs_centroids
+    assert (p.CLASS_COUNTS in update.statistics) == method.sends_class_counts
+    assert ("align-loss" in update.metrics) == method.needs_centroids
     if method.needs_centroids:
-        assert update.align_loss > 0
-    if update.class_counts is not None:
-        assert update.class_counts.tolist() == [8.0] * 5 + [0.0] * 5
-    assert (update.balanced_head is not None) == method.sends_balanced_head
-    assert (update.posterior_scale is not None) == (update.rho is not None) == method.keeps_posteriors
+        assert update.metrics["align-loss"] > 0
+    if p.CLASS_COUNTS in update.statistics:
+        assert update.statistics[p.CLASS_COUNTS].tolist() == [8] * 5 + [0] * 5
+    assert (p.BALANCED_WEIGHT in update.statistics) == method.sends_balanced_head
+    assert (p.SCALE_WEIGHT in update.statistics) == (p.RHO in update.metrics) == method.keeps_posteriors
 
 
 def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
@@ -289,24 +297,25 @@ def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():
         model, x, y = _data()
         cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=head_epochs, local_epochs=1, batch_size=8)
         head_before = [q.detach().clone() for q in model.head.parameters()]
-        update = local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
+        update = _local_update(model, x, y, Received(), cfg)
         changed = _changed(head_before, model.head)
         assert all(changed) if head_epochs else not any(changed)
-        assert (update.head_loss > 0) == (head_epochs > 0)
+        assert (update.metrics["head-loss"] > 0) == (head_epochs > 0)
 
 
 def _arguments_of(monkeypatch, function: str, argument: str) -> list:
-    """The ``argument`` keyword of every call to ``client_app.train.<function>`` from now on."""
-    import client_app.train as train
+    """The ``argument`` keyword of every call a baseline's client part (FedRep's) makes to the
+    training block ``<function>`` (``common.training``) from now on."""
+    import common.methods.baselines.client as client
 
     seen = []
-    original = getattr(train, function)
+    original = getattr(client, function)
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get(argument))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(train, function, spy)
+    monkeypatch.setattr(client, function, spy)
     return seen
 
 
@@ -314,7 +323,7 @@ def test_fedrep_trains_its_body_fedrep_body_epochs_epochs_not_local_epochs(monke
     seen = _arguments_of(monkeypatch, "train_extractor", "epochs")
     model, x, y = _data()
     cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_body_epochs=2, local_epochs=5, batch_size=8)
-    local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
+    _local_update(model, x, y, Received(), cfg)
     assert seen == [2]
     assert FedPACConfig().fedrep_body_epochs == 1  # FedRep's own value
     with pytest.raises(ConfigError, match="'fedrep-body-epochs'.*>= 1"):
@@ -327,7 +336,7 @@ def test_fedrep_head_lr_sets_the_heads_step_and_defaults_to_the_baselines(monkey
     for head_lr in (0.0, 0.1):
         cfg = FedPACConfig(strategy="fedrep", fedrep_head_epochs=1, fedrep_head_lr=head_lr, extractor_lr=0.02,
                            local_epochs=1, batch_size=8)
-        local_update(model, x, y, Received(), cfg, torch.Generator().manual_seed(0))
+        _local_update(model, x, y, Received(), cfg)
     assert seen == [0.02, 0.1]
     assert parse_run_config({"fedrep-head-lr": 0.1}).fedrep_head_lr == 0.1
     with pytest.raises(ConfigError, match="'fedrep-head-lr'.*>= 0"):

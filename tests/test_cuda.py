@@ -10,13 +10,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
-from client_app.train import Received, evaluate, local_update
 from common import protocol as p
 from common.config import FedPACConfig
-from common.model import FedPACNet
+from common.methods import METHODS
+from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.model import HEAD_PREFIX, FedPACNet
+from common.training import evaluate
 from common.variational import softplus_inverse
 
 pytestmark = [
@@ -42,22 +45,30 @@ def _task(n: int = 240, classes: int = 4, seed: int = 0) -> tuple[torch.Tensor, 
     return x, y
 
 
-def _received(method: str, model: FedPACNet, device: torch.device) -> Received:
+def _received(method: str, model: FedPACNet) -> Received:
+    """The round's message besides the model, as the ClientApp hands it on: numpy sections (the
+    routine moves them to the model's device)."""
     g = torch.Generator().manual_seed(1)
-    targets = torch.randn(10, 128, generator=g).to(device)
-    mask = torch.ones(10, dtype=torch.bool, device=device)
+    centroids = {p.CENTROIDS: {p.CENTROID_VALUES: torch.randn(10, 128, generator=g).numpy(),
+                               p.CENTROID_MASK: np.ones(10, dtype=bool)}}
     if method == "fedccfa":  # round 21: the anchors are on (align-from-round 20)
-        head = {k: v.detach().clone() for k, v in model.head.state_dict().items()}
-        return Received(server_round=21, targets=targets, target_mask=mask, initial_head=head,
-                        has_personal_head=True)
+        head = {HEAD_PREFIX + k: v.detach().cpu().numpy().copy() for k, v in model.head.state_dict().items()}
+        return Received(server_round=21, sections={**centroids, p.INITIAL_HEAD: head},
+                        config={p.HAS_PERSONAL_HEAD: True})
     if method == "pfedvem":
-        weight = torch.randn(model.head.weight.shape, generator=g).to(device)
-        bias = torch.randn(model.head.bias.shape, generator=g).to(device)
+        weight = torch.randn(model.head.weight.shape, generator=g)
+        bias = torch.randn(model.head.bias.shape, generator=g)
         s = softplus_inverse(0.7)
-        return Received(posterior={p.PRIOR_WEIGHT: weight, p.PRIOR_BIAS: bias,
-                                   p.SCALE_WEIGHT: torch.full_like(weight, s),
-                                   p.SCALE_BIAS: torch.full_like(bias, s)})
-    return Received(targets=targets, target_mask=mask)
+        return Received(sections={p.POSTERIOR: {
+            p.PRIOR_WEIGHT: weight.numpy(), p.PRIOR_BIAS: bias.numpy(),
+            p.SCALE_WEIGHT: torch.full_like(weight, s).numpy(), p.SCALE_BIAS: torch.full_like(bias, s).numpy()}})
+    return Received(sections=centroids)
+
+
+def _local_update(model: FedPACNet, x: torch.Tensor, y: torch.Tensor, received: Received, cfg: FedPACConfig,
+                  generator: torch.Generator) -> ClientResult:
+    """The run's method's local update (no test split: x, y stand in for it)."""
+    return client_routine(METHODS[cfg.strategy]).local_update(model, LocalData(x, y, x, y), received, cfg, generator)
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +84,7 @@ def _update_on(device: torch.device, method: str, cfg: FedPACConfig):
     torch.manual_seed(0)
     model = FedPACNet(1, 28, 10).to(device)
     x, y = (t.to(device) for t in _task())
-    update = local_update(model, x, y, _received(method, model, device), cfg, torch.Generator().manual_seed(0))
+    update = _local_update(model, x, y, _received(method, model), cfg, torch.Generator().manual_seed(0))
     return model, update
 
 
@@ -87,11 +98,17 @@ def test_a_local_update_on_the_gpu_matches_the_cpu(method):
     for (name, a), b in zip(cpu_model.state_dict().items(), gpu_model.state_dict().values()):
         torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=f"{method}: {name}")
     assert gpu_update.train_loss == pytest.approx(cpu_update.train_loss, rel=1e-2, abs=1e-3)
-    if cpu_update.centroids is not None:
-        torch.testing.assert_close(gpu_update.centroids.cpu(), cpu_update.centroids, rtol=2e-3, atol=2e-3)
-    if cpu_update.statistics is not None:  # (mu, V) for the QP, taken before training
-        assert gpu_update.statistics.v == pytest.approx(cpu_update.statistics.v, rel=1e-4)
-        torch.testing.assert_close(gpu_update.statistics.h.cpu(), cpu_update.statistics.h, rtol=1e-4, atol=1e-5)
+    # the same arrays travel back, on the host: n_i, class counts, centroids, h, balanced head, scales
+    assert gpu_update.num_examples == cpu_update.num_examples
+    assert set(gpu_update.statistics) == set(cpu_update.statistics)
+    assert set(gpu_update.metrics) == set(cpu_update.metrics)
+    if p.CENTROID_VALUES in cpu_update.statistics:
+        torch.testing.assert_close(torch.from_numpy(gpu_update.statistics[p.CENTROID_VALUES]),
+                                   torch.from_numpy(cpu_update.statistics[p.CENTROID_VALUES]), rtol=2e-3, atol=2e-3)
+    if p.H in cpu_update.statistics:  # (mu, V) for the QP, taken before training
+        assert gpu_update.metrics[p.V] == pytest.approx(cpu_update.metrics[p.V], rel=1e-4)
+        torch.testing.assert_close(torch.from_numpy(gpu_update.statistics[p.H]),
+                                   torch.from_numpy(cpu_update.statistics[p.H]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
@@ -104,8 +121,8 @@ def test_fedpac_learns_on_the_gpu(mixed_precision):
     x_test, y_test = (t.to(CUDA) for t in _task(seed=1))
     _, before = evaluate(copy.deepcopy(model), x_test, y_test)
     for server_round in (1, 2):
-        local_update(model, x, y, dataclasses.replace(_received("fedpac", model, CUDA), server_round=server_round),
-                     cfg, torch.Generator().manual_seed(server_round))
+        _local_update(model, x, y, dataclasses.replace(_received("fedpac", model), server_round=server_round),
+                      cfg, torch.Generator().manual_seed(server_round))
     _, after = evaluate(model, x_test, y_test)
     assert all(q.dtype == torch.float32 for q in model.parameters())
     assert before < 0.5 and after > 0.95

@@ -186,7 +186,7 @@ def test_heads_on_one_extractor_share_one_pass_over_the_whole_test_set(monkeypat
     import torch  # pylint: disable=import-outside-toplevel
 
     from client_app import app as client  # pylint: disable=import-outside-toplevel
-    from client_app.train import evaluate, evaluate_head  # pylint: disable=import-outside-toplevel
+    from common.training import evaluate, evaluate_head  # pylint: disable=import-outside-toplevel
     from common.model import FedPACNet  # pylint: disable=import-outside-toplevel
 
     passes = []

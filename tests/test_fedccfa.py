@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from flwr.app import MessageType
 
-from client_app.train import Received, balanced_sample, contrastive_alignment_loss, local_update
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
-from common.model import FedPACNet
+from common.methods import METHODS
+from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.methods.fedccfa.client import balanced_sample, contrastive_alignment_loss
+from common.model import HEAD_PREFIX, FedPACNet
 from federation import InProcessGrid
 from server_app.app import run_fedpac
 from server_app.checkpoint import load_checkpoint
@@ -91,30 +93,46 @@ def _model(seed: int) -> FedPACNet:
     return FedPACNet(1, 28, 10)
 
 
+# The balanced head in the reply's statistics, by the head module's own keys.
+BALANCED = {"weight": p.BALANCED_WEIGHT, "bias": p.BALANCED_BIAS}
+
+
+def _initial_head(model: FedPACNet) -> dict[str, np.ndarray]:
+    """phi^0 as section ``initial-head`` carries it: the model's head.* arrays."""
+    return {HEAD_PREFIX + k: v.detach().numpy().copy() for k, v in model.head.state_dict().items()}
+
+
+def _local_update(model, x, y, received: Received, cfg: FedPACConfig) -> ClientResult:
+    """FedCCFA's local update (no test split: x, y stand in for it)."""
+    return client_routine(METHODS[cfg.strategy]).local_update(
+        model, LocalData(x, y, x, y), received, cfg, torch.Generator().manual_seed(0))
+
+
 def test_balanced_head_starts_from_phi0_whatever_head_the_client_holds():
     x, y = _client_data()
     cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, balanced_epochs=2)
-    initial = {k: v.clone() for k, v in _model(1).head.state_dict().items()}
+    initial = _initial_head(_model(1))
     balanced = []
     for personal_seed in (2, 3):
         model = _model(0)
         model.head.load_state_dict(_model(personal_seed).head.state_dict())
-        received = Received(server_round=1, initial_head=initial, has_personal_head=True)
-        update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
-        balanced.append(update.balanced_head)
-    for key in initial:
-        torch.testing.assert_close(balanced[0][key], balanced[1][key])
+        received = Received(server_round=1, sections={p.INITIAL_HEAD: initial},
+                            config={p.HAS_PERSONAL_HEAD: True})
+        update = _local_update(model, x, y, received, cfg)
+        balanced.append(update.statistics)
+    for key in BALANCED.values():
+        torch.testing.assert_close(torch.from_numpy(balanced[0][key]), torch.from_numpy(balanced[1][key]))
 
 
 def test_a_first_participant_starts_its_personal_head_from_its_balanced_head():
     x, y = _client_data()
     cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, head_epochs=0)
-    initial = {k: v.clone() for k, v in _model(1).head.state_dict().items()}
+    initial = _initial_head(_model(1))
     model = _model(0)
-    update = local_update(model, x, y, Received(initial_head=initial, has_personal_head=False), cfg,
-                          torch.Generator().manual_seed(0))
+    update = _local_update(model, x, y, Received(sections={p.INITIAL_HEAD: initial},
+                                                 config={p.HAS_PERSONAL_HEAD: False}), cfg)
     for key, value in model.head.state_dict().items():  # zero personal-head epochs: unchanged since
-        torch.testing.assert_close(value, update.balanced_head[key])
+        torch.testing.assert_close(value, torch.from_numpy(update.statistics[BALANCED[key]]))
 
 
 @pytest.mark.parametrize("server_round, aligned", [(20, False), (21, True)])
@@ -122,13 +140,13 @@ def test_alignment_starts_at_align_from_round_and_is_weighted_by_label_entropy(s
     x, y = _client_data()
     cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, balanced_epochs=1)
     model = _model(0)
-    received = Received(server_round=server_round, targets=torch.randn(10, 128),
-                        target_mask=torch.ones(10, dtype=torch.bool),
-                        initial_head={k: v.clone() for k, v in model.head.state_dict().items()})
-    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
-    assert (update.align_loss > 0) == aligned
-    assert math.isclose(update.align_weight, math.log(4) / cfg.align_gamma)  # 4 equal classes
-    assert update.class_counts.tolist() == [10.0] * 4 + [0.0] * 6
+    received = Received(server_round=server_round, sections={
+        p.CENTROIDS: {p.CENTROID_VALUES: torch.randn(10, 128).numpy(), p.CENTROID_MASK: np.ones(10, dtype=bool)},
+        p.INITIAL_HEAD: _initial_head(model)})
+    update = _local_update(model, x, y, received, cfg)
+    assert (update.metrics["align-loss"] > 0) == aligned
+    assert math.isclose(update.metrics["align-weight"], math.log(4) / cfg.align_gamma)  # 4 equal classes
+    assert update.statistics[p.CLASS_COUNTS].tolist() == [10] * 4 + [0] * 6
 
 
 def test_drift_keys_are_checked_before_any_training():

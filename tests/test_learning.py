@@ -9,9 +9,10 @@ larger lambda-align, the centroids are the federation's class means, a short fed
 well above what a model without learning scores, and what clients report is what they achieved.
 
 They reach the product only through its public entry points (the method registry, the run
-driver ``run_fedpac`` with the real strategy and ClientApp behind ``InProcessGrid``, the
-client's ``local_update``), so they keep guarding behaviour when the methods move into modules
-of their own. A method added to the registry is covered without touching this file.
+driver ``run_fedpac`` with the real strategy and ClientApp behind ``InProcessGrid``, a
+method's client part's ``local_update`` from ``common.methods.client.client_routine``), so they
+keep guarding behaviour when the methods move into modules of their own. A method added to the
+registry is covered without touching this file.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from client_app.app import client_tensors
-from client_app.train import Received, evaluate, extract_features, local_update
 from common import protocol as p
 from common.config import FedPACConfig, parse_run_config
 from common.methods import METHODS, Alignment
+from common.methods.baselines import Baseline
+from common.methods.client import LocalData, Received, client_routine
 from common.model import EMBEDDING_DIM, FedPACNet
+from common.training import evaluate, extract_features
 from federation import InProcessGrid
 from server_app.app import initial_model, run_fedpac
 from server_app.report import RoundRecord, RunReport
@@ -157,6 +160,12 @@ def _majority(labels: torch.Tensor) -> float:
 NAMES = sorted(METHODS)
 
 
+def _fine_tunes_before_evaluation(name: str) -> bool:
+    """FedAvg-FT: the client evaluates a copy of the model it received, its head fine-tuned."""
+    method = METHODS[name]
+    return isinstance(method, Baseline) and method.finetune_before_evaluation
+
+
 # ---------------------------------------------------------------------------- the local update
 
 
@@ -268,7 +277,7 @@ def test_the_accuracy_the_server_records_is_the_personalized_models(name, tmp_pa
         loss, accuracy = evaluate(_model(msg, fed.cfg), x_test, y_test)
         record = fed.records[server_round - 1]
         where = f"round {server_round}, partition {pid}"
-        if METHODS[name].finetune_before_evaluation:
+        if _fine_tunes_before_evaluation(name):
             assert record.test_loss[pid] < loss, where
         else:
             assert record.accuracy[pid] == pytest.approx(accuracy, abs=1e-6), where
@@ -305,7 +314,7 @@ def test_alignment_pulls_each_class_towards_its_global_centroid_the_more_the_lar
     as long as a feature: every class has a target apart from the others' that the
     cross-entropy alone does not take it to."""
     cfg = parse_run_config({**ALIGN_CONFIG, "strategy": name})
-    x, y, _, _ = _data(cfg, 0)
+    x, y, x_test, y_test = _data(cfg, 0)
     model = initial_model(cfg)
     features = extract_features(model.extractor, x)
     offsets = torch.randn(cfg.num_classes, features.shape[1], generator=torch.Generator().manual_seed(1))
@@ -314,11 +323,13 @@ def test_alignment_pulls_each_class_towards_its_global_centroid_the_more_the_lar
     centroids = torch.stack([features[y == c].mean(dim=0) if mask[c] else features.mean(dim=0)
                              for c in range(cfg.num_classes)]) + offsets
     distances, nearest = [], []
+    routine = client_routine(METHODS[name])
+    received = Received(server_round=2, sections={
+        p.CENTROIDS: {p.CENTROID_VALUES: centroids.numpy(), p.CENTROID_MASK: mask.numpy()}})
     for lam in (0.0, 1.0, 10.0):
         trained = copy.deepcopy(model)
-        received = Received(server_round=2, targets=centroids, target_mask=mask)
-        local_update(trained, x, y, received, dataclasses.replace(cfg, lambda_align=lam),
-                     torch.Generator().manual_seed(0))
+        routine.local_update(trained, LocalData(x, y, x_test, y_test), received,
+                             dataclasses.replace(cfg, lambda_align=lam), torch.Generator().manual_seed(0))
         own, is_nearest = _distances(trained, x, y, centroids, mask)
         distances.append(own)
         nearest.append(is_nearest)

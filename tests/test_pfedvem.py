@@ -19,12 +19,13 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, MessageType, RecordDict
 
-from client_app.train import Received, local_update
 from common import protocol as p
 from common.aggregation import aggregate_round
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
+from common.methods.client import LocalData, Received, client_routine
 from common.model import FedPACNet, split_state
+from common.training import evaluate
 from common.variational import (
     GaussianHead,
     VEMProtocol,
@@ -203,28 +204,36 @@ def _posterior(model, seed=0, sigma=0.7):
 def test_the_variational_routine_takes_rho_first_then_trains_the_posterior_and_the_base():
     torch.manual_seed(0)
     model, x, y = FedPACNet(1, 28, 10), torch.randn(40, 1, 28, 28), torch.arange(40) % 5
+    x_test, y_test = torch.randn(20, 1, 28, 28), torch.arange(20) % 5
+    data = LocalData(x, y, x_test, y_test)
     posterior = _posterior(model)
+    received = Received(sections={p.POSTERIOR: {k: v.numpy() for k, v in posterior.items()}})
     cfg = FedPACConfig(strategy="pfedvem", local_epochs=1)
+    routine = client_routine(METHODS[cfg.strategy])
     mean_before = {k: v.detach().clone() for k, v in model.head.state_dict().items()}
     extractor_before = [q.detach().clone() for q in model.extractor.parameters()]
     received_head = GaussianHead.from_linear(model.head.weight, model.head.bias, posterior[p.SCALE_WEIGHT],
                                              posterior[p.SCALE_BIAS])
     expected_rho = confidence_rho(received_head, posterior[p.PRIOR_WEIGHT].T, posterior[p.PRIOR_BIAS])
 
-    update = local_update(model, x, y, Received(posterior=posterior), cfg, torch.Generator().manual_seed(0))
+    update = routine.local_update(model, data, received, cfg, torch.Generator().manual_seed(0))
 
-    assert update.rho == pytest.approx(expected_rho)  # the posterior as received, against w^t
-    assert update.posterior_restored is False and np.isfinite(update.head_loss)
+    assert update.metrics[p.RHO] == pytest.approx(expected_rho)  # the posterior as received, against w^t
+    assert bool(update.metrics["posterior-restored"]) is False and np.isfinite(update.metrics["head-loss"])
     assert not torch.equal(model.head.weight, mean_before["weight"])  # the E-step moved mu ...
-    assert not torch.equal(update.posterior_scale["weight"], posterior[p.SCALE_WEIGHT])  # ... and s
-    assert update.posterior_scale["weight"].shape == model.head.weight.shape  # back in (K, d)
+    assert not np.array_equal(update.statistics[p.SCALE_WEIGHT], posterior[p.SCALE_WEIGHT].numpy())  # ... and s
+    assert update.statistics[p.SCALE_WEIGHT].shape == model.head.weight.shape  # back in (K, d)
     assert all(not torch.equal(b, a) for b, a in zip(extractor_before, model.extractor.parameters()))
+    # pFedVEM's own evaluation: the locally trained model (local base, posterior mean) on the test split
+    local_loss, local_accuracy = evaluate(model, x_test, y_test)
+    assert update.metrics[p.LOCAL_ACCURACY] == local_accuracy
+    assert update.metrics[p.LOCAL_LOSS] == local_loss
     # the same round, seed and inputs train the same posterior (a resumed run depends on it)
     torch.manual_seed(0)
     again = FedPACNet(1, 28, 10)
-    update_again = local_update(again, x, y, Received(posterior=posterior), cfg, torch.Generator().manual_seed(0))
+    update_again = routine.local_update(again, data, received, cfg, torch.Generator().manual_seed(0))
     torch.testing.assert_close(again.head.weight, model.head.weight, rtol=0, atol=0)
-    torch.testing.assert_close(update_again.posterior_scale["bias"], update.posterior_scale["bias"], rtol=0, atol=0)
+    np.testing.assert_array_equal(update_again.statistics[p.SCALE_BIAS], update.statistics[p.SCALE_BIAS])
 
 
 # ---------------------------------------------------------------------------- whole runs

@@ -4,16 +4,32 @@ import copy
 import dataclasses
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from benches import load_bench
 
-from client_app.train import Received, alignment_loss, local_update, train_extractor, train_head
+from common import protocol as p
 from common.config import FedPACConfig
+from common.methods import METHODS
+from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.methods.fedpac.client import alignment_loss
 from common.model import FedPACNet
 from common.statistics import class_feature_sums, feature_statistics
+from common.training import train_extractor, train_head
 
 CFG = FedPACConfig(local_epochs=1, batch_size=8)
+
+
+def _centroids(values: torch.Tensor, mask: torch.Tensor) -> Received:
+    """A round's message with the global class centroids (section ``centroids``, numpy)."""
+    return Received(sections={p.CENTROIDS: {p.CENTROID_VALUES: values.numpy(), p.CENTROID_MASK: mask.numpy()}})
+
+
+def _local_update(model, x, y, received: Received, cfg: FedPACConfig) -> ClientResult:
+    """The run's method's local update (no test split: x, y stand in for it)."""
+    return client_routine(METHODS[cfg.strategy]).local_update(
+        model, LocalData(x, y, x, y), received, cfg, torch.Generator().manual_seed(0))
 
 
 def _model_and_data(n=24, seed=0):
@@ -25,7 +41,7 @@ def _model_and_data(n=24, seed=0):
 
 
 def _params(module):
-    return [p.detach().clone() for p in module.parameters()]
+    return [q.detach().clone() for q in module.parameters()]
 
 
 def _changed(before, module):
@@ -39,8 +55,8 @@ def test_alignment_gradient_reaches_extractor_and_not_head():
     mask[:2] = True  # classes 2 and 3 have no centroid yet
     features = model.extractor(x)
     alignment_loss(features, y, centroids, mask).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.extractor.parameters())
-    assert all(p.grad is None for p in model.head.parameters())
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in model.extractor.parameters())
+    assert all(q.grad is None for q in model.head.parameters())
     assert centroids.grad is None
 
 
@@ -99,7 +115,7 @@ def test_extractor_epochs_leave_head_untouched_and_use_alignment():
     _, align = train_extractor(model, x, y, CFG, torch.Generator().manual_seed(0),
                                lambda f, labels: alignment_loss(f, labels, centroids, mask), weight=1.0)
     assert not any(_changed(head_before, model.head))
-    assert all(p.requires_grad for p in model.head.parameters())  # unfrozen afterwards
+    assert all(q.requires_grad for q in model.head.parameters())  # unfrozen afterwards
     assert align > 0
 
 
@@ -120,26 +136,29 @@ def test_lambda_changes_the_extractor_update():
 def test_local_update_statistics_come_from_received_model_and_centroids_from_trained():
     model, x, y = _model_and_data()
     expected_before = feature_statistics(class_feature_sums(model.extractor, x, y, 10))
-    received = Received(targets=torch.zeros(10, 128), target_mask=torch.zeros(10, dtype=torch.bool))
-    update = local_update(model, x, y, received, CFG, torch.Generator().manual_seed(0))
-    assert update.statistics.v == expected_before.v
-    assert torch.equal(update.statistics.h, expected_before.h)
+    received = _centroids(torch.zeros(10, 128), torch.zeros(10, dtype=torch.bool))
+    update = _local_update(model, x, y, received, CFG)
+    assert update.metrics[p.V] == expected_before.v
+    # h_i as it travels: float32
+    assert np.array_equal(update.statistics[p.H], expected_before.h.float().numpy())
     after = class_feature_sums(model.extractor, x, y, 10)
-    torch.testing.assert_close(update.centroids, after.class_means().float())
-    assert update.class_counts.tolist() == [6, 6, 6, 6, 0, 0, 0, 0, 0, 0]
-    assert update.statistics.num_samples == len(x)  # n_i in samples, not batches
+    torch.testing.assert_close(torch.from_numpy(update.statistics[p.CENTROID_VALUES]), after.class_means().float())
+    assert update.statistics[p.CLASS_COUNTS].tolist() == [6, 6, 6, 6, 0, 0, 0, 0, 0, 0]
+    assert update.statistics[p.CLASS_COUNTS].dtype == np.int64
+    assert update.num_examples == len(x)  # n_i in samples, not batches
 
 
 def test_mixed_precision_trains_and_keeps_float32_weights():
     model, x, y = _model_and_data()
     cfg = dataclasses.replace(CFG, mixed_precision=True, local_epochs=2)
     head_before = _params(model.head)
-    received = Received(targets=torch.randn(10, 128), target_mask=torch.ones(10, dtype=torch.bool))
-    update = local_update(model, x, y, received, cfg, torch.Generator().manual_seed(0))
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    received = _centroids(torch.randn(10, 128), torch.ones(10, dtype=torch.bool))
+    update = _local_update(model, x, y, received, cfg)
+    assert all(q.dtype == torch.float32 for q in model.parameters())
     assert all(_changed(head_before, model.head))
-    assert torch.isfinite(torch.tensor([update.train_loss, update.head_loss, update.align_loss])).all()
-    assert update.centroids.dtype == torch.float32
+    assert torch.isfinite(torch.tensor([update.train_loss, update.metrics["head-loss"],
+                                        update.metrics["align-loss"]])).all()
+    assert update.statistics[p.CENTROID_VALUES].dtype == np.float32
 
 
 @pytest.mark.e2e  # starts processes
