@@ -4,6 +4,7 @@ the local anchors merged; each client gets its merged head and its clusters' anc
 
 from __future__ import annotations
 
+import dataclasses
 from logging import WARNING
 from typing import Any
 
@@ -66,7 +67,7 @@ class Server(ServerPart):
             "balanced_head": {p.HEAD_WEIGHT: finite_as(stats[p.BALANCED_WEIGHT], weight_dtype, "balanced head"),
                               p.HEAD_BIAS: finite_as(stats[p.BALANCED_BIAS], bias_dtype, "balanced head")},
         }
-        return Update(**{**update.__dict__, "parsed": parsed})
+        return dataclasses.replace(update, parsed=parsed)
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
         # a capped client's class counts shrink with its weight

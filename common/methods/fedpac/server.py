@@ -4,6 +4,7 @@ the replying clients' heads its collaboration QP weighs (eq. 11); the ablations 
 
 from __future__ import annotations
 
+import dataclasses
 from logging import WARNING
 from typing import Any
 
@@ -69,7 +70,8 @@ class Server(ServerPart):
         """Centroids and h in the model's dtype, all finite there (the server's averages of them
         are cast to it, and a float64 value that is finite but overflows it would make every
         client's targets Inf); class counts that sum to n_i; V >= 0 up to rounding."""
-        stats, parsed = update.statistics, {}
+        stats = update.statistics
+        parsed: dict[str, Any] = {}
         dtype = self.head_template[p.HEAD_WEIGHT].dtype
         if self.method.align:
             parsed["centroids"] = finite_as(stats[p.CENTROID_VALUES], dtype,
@@ -80,7 +82,7 @@ class Server(ServerPart):
         if h is not None:
             parsed["v"] = variance_metric(metric(update.metrics, p.V), h)
             parsed["h"] = h.astype(np.float64)
-        return Update(**{**update.__dict__, "parsed": parsed})
+        return dataclasses.replace(update, parsed=parsed)
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
         """Eq. 19, the collaboration QPs, eq. 18 and the head mixing, over ``updates`` in
@@ -91,6 +93,7 @@ class Server(ServerPart):
             counts = np.stack([u.parsed["class_counts"] for u in updates])
             counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
         if self.method.align:
+            assert counts is not None
             previous = state.shared[CENTROIDS]
             centroids, mask = aggregate_centroids(np.stack([u.parsed["centroids"] for u in updates]), counts,
                                                   previous[p.CENTROID_VALUES], previous[p.CENTROID_MASK])

@@ -4,6 +4,7 @@ tau_j = 1 / rho_j^2 (eq. 7) and the base by sample count (``common.variational.a
 
 from __future__ import annotations
 
+import dataclasses
 from logging import INFO, WARNING
 from typing import Any
 
@@ -87,7 +88,7 @@ class Server(ServerPart):
                                           "posterior scales"),
                  p.HEAD_BIAS: finite_as(stats[p.SCALE_BIAS], self.head_template[p.HEAD_BIAS].dtype,
                                         "posterior scales")}
-        return Update(**{**update.__dict__, "parsed": {"rho": rho, "scale": scale}})
+        return dataclasses.replace(update, parsed={"rho": rho, "scale": scale})
 
     def trains_every_client(self, fraction_train: float) -> bool:
         # with a sample S_t that alone trains, fraction-train = 1 no longer means everyone trains
