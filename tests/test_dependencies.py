@@ -40,11 +40,13 @@ LEVELS = ("base", "server", "simulation", "test")
 # What each install runs; a file belongs to the first install whose entry points import it
 # (directly or through other files of the repository), every other file to `test`.
 ENTRY_POINTS = {
-    # the methods' packages too: the ClientApp loads each method's client part by name
-    # (common.methods.client.client_routine), which no import statement shows
-    "base": ("client_app", "common/methods", "deploy/fast_supernode.py", "deploy/warm_executor.py", "deploy/long_poll.py",
-             "deploy/flower_pin.py"),
-    "server": ("server_app", "deploy/patient_superlink.py", "deploy/export_partitions.py"),
+    # the methods' client parts too, and the server parts for the server: the apps load them by
+    # name (common.methods.client.client_routine, common.methods.server.server_part), which no
+    # import statement shows
+    "base": ("client_app", "common/methods/*/client.py", "deploy/fast_supernode.py", "deploy/warm_executor.py",
+             "deploy/long_poll.py", "deploy/flower_pin.py"),
+    "server": ("server_app", "common/methods/*/server.py", "deploy/patient_superlink.py",
+               "deploy/export_partitions.py"),
     "simulation": ("experiments",),
 }
 # Declared but never imported, on purpose. The test checks each still is not imported.
@@ -175,7 +177,10 @@ def entry_files(entries: Iterable[str]) -> list[Path]:
     paths = []
     for entry in entries:
         path = ROOT / entry
-        paths.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+        if "*" in entry:
+            paths.extend(sorted(ROOT.glob(entry)))
+        else:
+            paths.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
     return paths
 
 
