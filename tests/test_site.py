@@ -610,11 +610,16 @@ def test_the_app_bundle_a_site_receives_holds_the_apps_packages_only():
     members = zipfile.ZipFile(io.BytesIO(fab)).namelist()
     packages = {name.split("/")[0] for name in members if "/" in name}
     assert packages == {"common", "server_app", "client_app", ".info"}, packages
-    # every method's package with its client part: a ClientApp finds it by the run's strategy
-    methods = [f"common/methods/{family}/{part}.py" for family in ("fedpac", "baselines", "fedccfa", "pfedvem")
-               for part in ("__init__", "client")]
+    # every registered method's package with its client and server parts: the apps find them by
+    # the run's strategy
+    from common.methods import METHODS  # pylint: disable=import-outside-toplevel
+
+    packages_of_methods = {type(method).__module__.replace(".", "/") for method in METHODS.values()}
+    methods = [f"{package}/{part}.py" for package in packages_of_methods for part in ("__init__", "client", "server")]
+    assert len(methods) >= 18
     assert {"server_app/app.py", "client_app/app.py", "common/methods/__init__.py", "common/methods/base.py",
-            "common/methods/client.py", "common/training.py", *methods, "pyproject.toml"} <= set(members)
+            "common/methods/client.py", "common/methods/server.py", "common/training.py", *methods,
+            "pyproject.toml"} <= set(members)
     assert len(fab) < 500_000
 
 
