@@ -12,10 +12,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from common import protocol as p
 from common.config import parse_run_config
 from common.files import npz_bytes
+from common.methods import METHODS
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.server import HEAD, server_part
 from common.sites import SiteRegistry
 from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
 from server_app.app import initial_model
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 from common.model import split_state
 
 RUN_CONFIG = {"samples-per-client": 60, "test-samples-per-client": 30, "local-epochs": 1, "batch-size": 20}
@@ -131,11 +134,17 @@ CASES = {
 }
 
 
-def _setup():
+def _strategy(num_rounds, **kwargs):
+    """FedPAC's strategy on RUN_CONFIG's initial model; also that model's extractor."""
     cfg = parse_run_config(RUN_CONFIG)
-    model = initial_model(cfg)
-    extractor, head = split_state({k: v.numpy() for k, v in model.state_dict().items()})
-    return FedPAC(initial_head=head, num_rounds=3), p.to_record(extractor)
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    server = server_part(METHODS["fedpac"], cfg, extractor, head)
+    return PersonalizedStrategy(server=server, num_rounds=num_rounds, **kwargs), extractor
+
+
+def _setup():
+    strategy, extractor = _strategy(3)
+    return strategy, p.to_record(extractor)
 
 
 def _round_with_bad_training_reply(tamper, caplog):
@@ -162,11 +171,11 @@ def test_bad_reply_is_rejected_and_logged(case, caplog):
     bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == BAD)
     assert f"Rejected reply from node {bad_node}" in caplog.text
     survivors = {0, 2, 3}
-    assert set(strategy.heads) == survivors  # the rest of the round went on
+    assert set(strategy.state.personal[HEAD]) == survivors  # the rest of the round went on
     assert metrics["num-replies"] == len(survivors) and metrics["num-rejected"] == 1
     extractor = p.from_record(new_arrays)
     assert all(np.isfinite(v).all() for v in extractor.values())
-    assert np.isfinite(strategy.centroids).all()
+    assert np.isfinite(strategy.state.shared[CENTROIDS][p.CENTROID_VALUES]).all()
 
 
 def _set_evaluation_metric(key, value):
@@ -225,7 +234,7 @@ def test_a_training_reply_claiming_another_partition_is_rejected_and_moves_nothi
     with caplog.at_level(logging.WARNING):
         _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert f"(partition {BAD}): it claims partition 0" in caplog.text
-    assert set(strategy.heads) == {0, 2, 3} and metrics["num-replies"] == 3
+    assert set(strategy.state.personal[HEAD]) == {0, 2, 3} and metrics["num-replies"] == 3
     assert strategy.node_partition == bound
 
 
@@ -245,7 +254,7 @@ def test_a_second_node_claiming_a_connected_nodes_partition_is_refused_and_sent_
     assert 999 not in {m.metadata.dst_node_id for m in messages} and len(messages) == 3
     assert strategy.node_partition[first] == 0 and 999 not in strategy.node_partition
     _, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert metrics["num-replies"] == 3 and set(strategy.heads) == {0, 1, 2}
+    assert metrics["num-replies"] == 3 and set(strategy.state.personal[HEAD]) == {0, 1, 2}
 
 
 PREFLIGHT_PROBLEMS = {
@@ -286,9 +295,7 @@ def _claiming_partition_0(reply, pid):
 def test_a_preflight_claim_its_identity_denies_is_refused_and_the_others_start(caplog):
     """With node identities (a deployment), the node registered as supernode-1 that claims
     partition 0 is refused and sent nothing more; the run starts with the others."""
-    cfg = parse_run_config(RUN_CONFIG)
-    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    strategy = FedPAC(initial_head=head, num_rounds=2, sites=SiteRegistry())
+    strategy, _ = _strategy(2, sites=SiteRegistry())
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=_claiming_partition_0, tamper_queries=True)
     with caplog.at_level(logging.WARNING):
         bound = strategy.discover(grid, timeout=60)
@@ -299,9 +306,7 @@ def test_a_preflight_claim_its_identity_denies_is_refused_and_the_others_start(c
 def test_a_duplicate_preflight_claim_without_identities_stops_the_run():
     """Where claims are all there is (the simulation, partition-map = 'claims'), two nodes
     claiming one partition is a misconfiguration nobody can settle: the run does not start."""
-    cfg = parse_run_config(RUN_CONFIG)
-    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    strategy = FedPAC(initial_head=head, num_rounds=2)  # claims believed: the default
+    strategy, _ = _strategy(2)  # claims believed: the default
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=_claiming_partition_0, tamper_queries=True)
     with pytest.raises(RuntimeError, match="not ready to train(.|\n)*partition 0 is served by connected node"):
         strategy.discover(grid, timeout=60)
@@ -311,4 +316,4 @@ def test_a_v_below_zero_by_rounding_only_is_accepted_as_zero(caplog):
     # a sum of squares minus its mean's, rounded
     strategy, _, _, metrics = _round_with_bad_training_reply(set_metric(p.V, -1e-12), caplog)
     assert "Rejected" not in caplog.text and metrics["num-replies"] == 4
-    assert set(strategy.heads) == {0, 1, 2, 3}
+    assert set(strategy.state.personal[HEAD]) == {0, 1, 2, 3}

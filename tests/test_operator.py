@@ -33,6 +33,8 @@ from common import protocol as p
 from common.averaging import capped_sample_weights, weighted_average
 from common.config import parse_run_config
 from common.data import DataError, load_client_directory, load_idx_dataset, read_idx
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.server import EXTRACTOR, HEAD, ServerState
 from common.files import atomic_write
 from common.sites import fingerprint
 from federation import InProcessGrid
@@ -301,9 +303,12 @@ def _record(round_number: int) -> RoundRecord:
 
 
 def _checkpoint(rounds: list[RoundRecord]) -> Checkpoint:
-    return Checkpoint(completed_rounds=rounds[-1].round, extractor={"w": np.zeros(3, np.float32)},
-                      centroids=np.zeros((10, 4), np.float32), centroid_mask=np.zeros(10, bool),
-                      heads={0: {"b": np.zeros(10, np.float32)}}, rounds=rounds, model_shape=(10, 28, 1), seed=0)
+    state = ServerState(
+        shared={EXTRACTOR: {"w": np.zeros(3, np.float32)},
+                CENTROIDS: {p.CENTROID_VALUES: np.zeros((10, 4), np.float32), p.CENTROID_MASK: np.zeros(10, bool)}},
+        personal={HEAD: {0: {"b": np.zeros(10, np.float32)}}},
+    )
+    return Checkpoint(completed_rounds=rounds[-1].round, state=state, rounds=rounds, model_shape=(10, 28, 1), seed=0)
 
 
 def _report(directory: Path) -> RunReport:

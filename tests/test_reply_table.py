@@ -12,6 +12,7 @@ test_pfedvem.py do that for FedPAC's and pFedVEM's replies, no test did for FedC
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import logging
@@ -27,22 +28,20 @@ from common import protocol as p
 from common.config import parse_run_config
 from common.files import npz_bytes
 from common.methods import METHODS, Method
+from common.methods.fedccfa.server import ANCHORS
+from common.methods.server import HEAD, ServerPart, server_part
 from common.model import HEAD_PREFIX, split_state
-from common.variational import VEMProtocol
+from common.validation import MAX_SAMPLE_COUNT, V_ROUNDING, InvalidReply
 from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
-from server_app.app import initial_model, initial_prior_head
+from server_app.app import initial_model
 from server_app.replies import (
     MAX_METRICS,
     MAX_PARTITIONS,
-    MAX_SAMPLE_COUNT,
-    V_ROUNDING,
-    InvalidReply,
-    expected_statistics,
     parse_evaluate_reply,
     parse_query_reply,
     parse_train_reply,
 )
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 
 # Small enough that a method's exchange takes a second or two on a CPU. The generalized accuracy
 # (a pass over the whole test set) is left out: its rows add it to the evaluation themselves.
@@ -55,9 +54,17 @@ TRAIN_SAMPLES = RUN_CONFIG["samples-per-client"]
 QUERY, TRAIN, FUSED, EVALUATE = "query", "train", "fused", "evaluate"
 
 
+@functools.cache
+def statistics_sent(method: Method) -> tuple[str, ...]:
+    """The statistics arrays a method's training reply carries: its server part's
+    ``statistics_shapes`` (on a 1 x 1 head: only the keys matter here)."""
+    head = {p.HEAD_WEIGHT: np.zeros((1, 1), np.float32), p.HEAD_BIAS: np.zeros(1, np.float32)}
+    return tuple(server_part(method, parse_run_config({}), {}, head).statistics_shapes())
+
+
 def reply_shape(method: Method) -> tuple:
     """What a method's training reply carries besides the model: statistics and extra metrics."""
-    return (tuple(expected_statistics(method, 1, 1)), method.needs_statistics, method.keeps_posteriors,
+    return (statistics_sent(method), method.needs_statistics, method.keeps_posteriors,
             method.evaluates_local_model)
 
 
@@ -75,8 +82,7 @@ class Exchange:
     """One method's real replies (each partition 0's) and what the server checks them against."""
 
     method: Method
-    extractor: p.NDArrays
-    head: p.NDArrays
+    server: ServerPart
     num_partitions: int
     replies: dict[str, Message]
 
@@ -91,8 +97,6 @@ def exchange(name: str) -> Exchange:
     cfg = parse_run_config(run_config)
     method = METHODS[name]
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    if method.keeps_posteriors:
-        head = initial_prior_head(cfg)
     replies: dict[str, Message] = {}
 
     def keep(reply: Message, pid: int) -> Message:
@@ -102,8 +106,9 @@ def exchange(name: str) -> Exchange:
         return reply
 
     rounds = 2 if full else 1
-    strategy = FedPAC(initial_head=head, num_rounds=rounds, method=method, fused_evaluation=True,
-                      min_available_nodes=1, vem=VEMProtocol(sampling_rate=1.0))
+    # pFedVEM: every client in the sample S_t (the server's setting only: the clients' run config is unchanged)
+    server = server_part(method, dataclasses.replace(cfg, vem_sampling_rate=1.0), extractor, head)
+    strategy = PersonalizedStrategy(server=server, num_rounds=rounds, fused_evaluation=True, min_available_nodes=1)
     # Any: InProcessGrid stands in for Flower's Grid without deriving from it
     grid: Any = InProcessGrid(run_config, 2 if full else 1, tamper=keep, tamper_queries=True)
     strategy.discover(grid, timeout=60)
@@ -116,8 +121,8 @@ def exchange(name: str) -> Exchange:
         if full:
             messages = strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid)
             strategy.aggregate_evaluate(server_round, grid.send_and_receive(messages))
-    assert strategy.extractor_template is not None and strategy.num_partitions is not None
-    return Exchange(method, strategy.extractor_template, strategy.initial_head, strategy.num_partitions, replies)
+    assert strategy.server.extractor_template is not None and strategy.num_partitions is not None
+    return Exchange(method, strategy.server, strategy.num_partitions, replies)
 
 
 # ---------------------------------------------------------------------------- tampering
@@ -253,11 +258,11 @@ def fewer_rows(a: np.ndarray) -> np.ndarray:
 
 def sends(key: str) -> Callable[[Method], bool]:
     """Whether a method's training reply carries statistics array ``key``."""
-    return lambda method: key in expected_statistics(method, 1, 1)
+    return lambda method: key in statistics_sent(method)
 
 
 def no_statistics(method: Method) -> bool:
-    return not expected_statistics(method, 1, 1)
+    return not statistics_sent(method)
 
 
 def every(_: Method) -> bool:
@@ -488,7 +493,7 @@ ACCEPTED: list[Row] = [
 
 def _parse(kind: str, ex: Exchange, reply: Message, row: Row):
     if kind in (TRAIN, FUSED):
-        return parse_train_reply(reply, ex.extractor, ex.head, ex.num_partitions, ex.method, row.max_samples)
+        return parse_train_reply(reply, ex.server, ex.num_partitions, row.max_samples)
     if kind == QUERY:
         return parse_query_reply(reply, row.max_samples)
     return parse_evaluate_reply(reply, ex.num_partitions)
@@ -525,8 +530,10 @@ def test_a_bad_reply_is_refused_with_its_reason(row, kind, method):
 def test_an_unusual_valid_reply_is_accepted(row, kind, method):
     ex, reply = _tampered(kind, method, row)
     parsed = _parse(kind, ex, reply, row)
-    assert parsed.num_examples > 0
-    assert getattr(parsed, "v", None) is None or parsed.v >= 0  # rounding below 0 is taken as 0
+    update = getattr(parsed, "update", parsed)  # a training reply's checked update; else the reply itself
+    assert update.num_examples > 0
+    v = getattr(update, "parsed", {}).get("v")
+    assert v is None or v >= 0  # rounding below 0 is taken as 0
 
 
 def test_every_reply_shape_and_kind_has_rows():
@@ -535,7 +542,7 @@ def test_every_reply_shape_and_kind_has_rows():
     covered = {(kind, m) for _, kind, m in (case.values for case in _cases(ROWS))}
     assert {(TRAIN, m) for m in SHAPES.values()} <= covered
     assert {(kind, FULL) for kind in (QUERY, FUSED, EVALUATE)} <= covered
-    sent = {key for m in METHODS.values() for key in expected_statistics(m, 1, 1)}
+    sent = {key for m in METHODS.values() for key in statistics_sent(m)}
     assert sent <= set(STATISTIC_KEYS), f"statistics without rows: {sorted(sent - set(STATISTIC_KEYS))}"
 
 
@@ -558,7 +565,7 @@ def test_a_bad_fedccfa_reply_is_logged_and_refused_and_the_round_goes_on(caplog)
             tamper(reply)
         return reply
 
-    strategy = FedPAC(initial_head=head, num_rounds=2, method=METHODS[name])
+    strategy = PersonalizedStrategy(server=server_part(METHODS[name], cfg, extractor, head), num_rounds=2)
     grid: Any = InProcessGrid(run_config, 3, tamper=tampering)
     strategy.discover(grid, timeout=60)
     messages = strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid)
@@ -568,8 +575,8 @@ def test_a_bad_fedccfa_reply_is_logged_and_refused_and_the_round_goes_on(caplog)
     assert f"Rejected reply from node {bad_node} (partition {BAD}): statistics 'balanced-head.weight' hold NaN" \
         in caplog.text
     assert metrics is not None and metrics["num-replies"] == 2 and metrics["num-rejected"] == 1
-    assert sorted(strategy.heads) == [0, 2]
+    assert sorted(strategy.state.personal[HEAD]) == [0, 2]
     assert strategy._record is not None and strategy._record.cluster_partitions == [0, 2]
     assert new_arrays is not None and all(np.isfinite(v).all() for v in p.from_record(new_arrays).values())
-    assert all(np.isfinite(v).all() for h in strategy.heads.values() for v in h.values())
-    assert all(np.isfinite(a).all() for values, _ in strategy.anchors.values() for a in values)
+    assert all(np.isfinite(v).all() for h in strategy.state.personal[HEAD].values() for v in h.values())
+    assert all(np.isfinite(part[p.CENTROID_VALUES]).all() for part in strategy.state.personal[ANCHORS].values())

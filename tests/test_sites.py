@@ -11,11 +11,13 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
 
 from common import protocol as p
 from common.config import ConfigError, parse_run_config
+from common.methods import METHODS
+from common.methods.server import server_part
 from common.model import split_state
 from common.sites import Identity, PartitionMap, SiteRegistry, fingerprint
 from federation import InProcessGrid
 from server_app.app import initial_model
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 
 RUN_CONFIG = {"samples-per-client": 60, "test-samples-per-client": 30, "local-epochs": 1, "batch-size": 20}
 
@@ -132,7 +134,8 @@ def test_a_rogue_node_with_an_unmapped_key_is_sent_nothing_at_all_and_the_round_
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
 
     def one_round(with_rogue):
-        strategy = FedPAC(initial_head=head, num_rounds=2, sites=SiteRegistry(site_map))
+        strategy = PersonalizedStrategy(server=server_part(METHODS["fedpac"], cfg, extractor, head), num_rounds=2,
+                                        sites=SiteRegistry(site_map))
         grid = KeyedGrid(RUN_CONFIG, 3, keys={pid: pems[pid] for pid in range(3)})
         if with_rogue:
             first = next(n for n, pid in grid.partition_of_node.items() if pid == 0)
@@ -157,8 +160,9 @@ def test_a_rogue_node_with_an_unmapped_key_is_sent_nothing_at_all_and_the_round_
 
 def _strategy(min_available_nodes=2):
     cfg = parse_run_config(RUN_CONFIG)
-    _, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    return FedPAC(initial_head=head, num_rounds=2, sites=SiteRegistry(), min_available_nodes=min_available_nodes)
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    return PersonalizedStrategy(server=server_part(METHODS["fedpac"], cfg, extractor, head), num_rounds=2,
+                                sites=SiteRegistry(), min_available_nodes=min_available_nodes)
 
 
 def _with_rogue(grid, claims, name):

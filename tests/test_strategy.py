@@ -1,4 +1,5 @@
-"""The FedPAC Strategy driven through an in-process federation of real ClientApps."""
+"""The Strategy (PersonalizedStrategy, with FedPAC's server part unless a test names another method)
+driven through an in-process federation of real ClientApps."""
 
 import logging
 import time
@@ -8,14 +9,16 @@ import pytest
 from flwr.app import ConfigRecord
 
 from common import protocol as p
-from common.aggregation import aggregate_round
 from common.averaging import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import parse_run_config
+from common.methods import METHODS
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.server import HEAD, server_part
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model
 from server_app.replies import parse_train_reply
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 from common.model import split_state
 
 RUN_CONFIG = {
@@ -27,9 +30,11 @@ RUN_CONFIG = {
 
 
 def _strategy(cfg, **kwargs):
+    """The strategy of the method ``cfg`` names (FedPAC by default) on its initial model."""
     model = initial_model(cfg)
     extractor, head = split_state({k: v.numpy() for k, v in model.state_dict().items()})
-    strategy = FedPAC(initial_head=head, num_rounds=cfg.num_server_rounds, seed=cfg.seed, **kwargs)
+    server = server_part(METHODS[cfg.strategy], cfg, extractor, head)
+    strategy = PersonalizedStrategy(server=server, num_rounds=cfg.num_server_rounds, seed=cfg.seed, **kwargs)
     return strategy, p.to_record(extractor)
 
 
@@ -51,18 +56,18 @@ def test_each_head_is_mixed_with_its_own_alpha_row_under_shuffled_replies():
     strategy, replies, new_arrays, _ = _run_round(shuffle=True)
     template_extractor = p.from_record(new_arrays)
     updates = sorted(
-        (parse_train_reply(r, template_extractor, strategy.initial_head) for r in replies),
+        (parse_train_reply(r, strategy.server).update for r in replies),
         key=lambda u: u.partition_id,
     )
     assert [u.partition_id for u in updates] == [0, 1, 2, 3, 4]
     expected = collaboration_weights(
-        np.stack([u.h for u in updates]), np.array([u.v for u in updates]),
+        np.stack([u.parsed["h"] for u in updates]), np.array([u.parsed["v"] for u in updates]),
         np.array([u.num_examples for u in updates], dtype=float),
     )
     mixed = mix_heads([u.head for u in updates], expected.alpha)
     for update, head in zip(updates, mixed):
         for key in head:
-            np.testing.assert_allclose(strategy.heads[update.partition_id][key], head[key], rtol=1e-6)
+            np.testing.assert_allclose(strategy.state.personal[HEAD][update.partition_id][key], head[key], rtol=1e-6)
     # the extractor is the sample-weighted mean of the replies' extractors
     average = weighted_average([u.extractor for u in updates], [u.num_examples for u in updates])
     for key, value in average.items():
@@ -73,8 +78,9 @@ def test_reply_order_does_not_change_the_result():
     ordered, _, arrays_a, _ = _run_round(shuffle=False)
     shuffled, _, arrays_b, _ = _run_round(shuffle=True)
     for pid in range(5):
-        for key in ordered.heads[pid]:
-            np.testing.assert_allclose(ordered.heads[pid][key], shuffled.heads[pid][key], rtol=1e-6)
+        for key in ordered.state.personal[HEAD][pid]:
+            np.testing.assert_allclose(ordered.state.personal[HEAD][pid][key], shuffled.state.personal[HEAD][pid][key],
+                                       rtol=1e-6)
     for key, value in p.from_record(arrays_a).items():
         np.testing.assert_allclose(value, p.from_record(arrays_b)[key], rtol=1e-6)
 
@@ -89,11 +95,11 @@ def test_every_node_receives_its_own_head_next_round():
     for msg in messages:
         pid = grid.partition_of_node[msg.metadata.dst_node_id]
         sent = p.sections_of(msg.content)[p.MODEL]
-        for key, value in strategy.heads[pid].items():
+        for key, value in strategy.state.personal[HEAD][pid].items():
             np.testing.assert_array_equal(sent[key], value)
         np.testing.assert_array_equal(p.sections_of(msg.content)[p.CENTROIDS][p.CENTROID_MASK],
-                                      strategy.centroid_mask.astype(np.uint8))
-    assert strategy.centroid_mask[:10].any()
+                                      strategy.state.shared[CENTROIDS][p.CENTROID_MASK].astype(np.uint8))
+    assert strategy.state.shared[CENTROIDS][p.CENTROID_MASK][:10].any()
 
 
 def test_partial_participation_samples_the_fraction_and_all_in_last_round():
@@ -123,7 +129,7 @@ def test_bad_and_failed_replies_are_rejected_and_the_round_goes_on(caplog):
     with caplog.at_level(logging.WARNING):
         _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
     assert new_arrays is not None and metrics["num-replies"] == 2
-    assert sorted(strategy.heads) == [0, 4]
+    assert sorted(strategy.state.personal[HEAD]) == [0, 4]
     assert "holds NaN" in caplog.text or "hold NaN" in caplog.text
     assert "num-examples" in caplog.text
     assert "client error" in caplog.text
@@ -155,33 +161,50 @@ def test_a_client_far_off_the_others_scale_is_named_in_the_log(caplog):
 
 def test_aggregated_alignment_targets_that_are_not_finite_are_not_kept(monkeypatch, caplog):
     """Replies are checked in the model's dtype, so no average of them should overflow it; should
-    one all the same, the clients' alignment targets (and the checkpoint) keep the last finite ones."""
+    one all the same, the clients' alignment targets (and the checkpoint) keep the last finite ones:
+    FedPAC's global centroids, and FedCCFA's per-client anchors."""
     import dataclasses
 
-    import server_app.strategy as strategy_module
-    from common.methods import METHODS
+    import common.methods.fedccfa.server as fedccfa_server
+    import common.methods.fedpac.server as fedpac_server
+    from common.methods.fedccfa.server import ANCHORS
 
-    def overflowing(*args, **kwargs):
-        result = aggregate_round(*args, **kwargs)
-        anchors = result.clusters.anchors.copy()
+    aggregate_centroids, clustered_heads = fedpac_server.aggregate_centroids, fedccfa_server.clustered_heads
+
+    def overflowing_centroids(*args, **kwargs):
+        centroids, mask = aggregate_centroids(*args, **kwargs)
+        return np.full_like(centroids, np.inf), mask
+
+    def overflowing_anchors(*args, **kwargs):
+        heads, clusters = clustered_heads(*args, **kwargs)
+        anchors = clusters.anchors.copy()
         anchors[1] = np.inf  # the second reply's (partition 1's) merged anchors
-        return dataclasses.replace(result, centroids=np.full_like(result.centroids, np.inf),
-                                   clusters=dataclasses.replace(result.clusters, anchors=anchors))
+        return heads, dataclasses.replace(clusters, anchors=anchors)
 
+    monkeypatch.setattr(fedpac_server, "aggregate_centroids", overflowing_centroids)
+    monkeypatch.setattr(fedccfa_server, "clustered_heads", overflowing_anchors)
+    # FedPAC: the global centroids
+    strategy, arrays = _strategy(parse_run_config(RUN_CONFIG))
+    centroids = {key: value.copy() for key, value in strategy.state.shared[CENTROIDS].items()}
+    with caplog.at_level(logging.WARNING):
+        _train_round(strategy, InProcessGrid(RUN_CONFIG, 3), arrays)
+    assert "aggregated centroids are not all finite" in caplog.text
+    for key, value in centroids.items():
+        np.testing.assert_array_equal(strategy.state.shared[CENTROIDS][key], value)
+    # FedCCFA: each client's anchors
     config = {**RUN_CONFIG, "strategy": "fedccfa"}
-    strategy, arrays = _strategy(parse_run_config(config), method=METHODS["fedccfa"])
-    centroids = strategy.centroids.copy()
-    previous = (np.ones_like(centroids), np.ones(len(centroids), dtype=bool))  # of an earlier round
-    strategy.anchors[1] = previous
-    monkeypatch.setattr(strategy_module, "aggregate_round", overflowing)
+    strategy, arrays = _strategy(parse_run_config(config))
+    num_classes, dim = strategy.server.head_template[p.HEAD_WEIGHT].shape
+    previous = {p.CENTROID_VALUES: np.ones((num_classes, dim), np.float32),  # of an earlier round
+                p.CENTROID_MASK: np.ones(num_classes, dtype=bool)}
+    strategy.state.keep(ANCHORS, 1, previous)
     with caplog.at_level(logging.WARNING):
         _train_round(strategy, InProcessGrid(config, 3), arrays)
-    assert "aggregated centroids are not all finite" in caplog.text
     assert "merged anchors of partitions [1] are not all finite" in caplog.text
-    np.testing.assert_array_equal(strategy.centroids, centroids)
-    assert strategy.anchors[1] is previous  # partition 1 keeps its earlier anchors
-    assert sorted(strategy.anchors) == [0, 1, 2]  # the others take this round's
-    assert all(np.isfinite(values).all() for values, _ in strategy.anchors.values())
+    anchors = strategy.state.personal[ANCHORS]
+    assert anchors[1] is previous  # partition 1 keeps its earlier anchors
+    assert sorted(anchors) == [0, 1, 2]  # the others take this round's
+    assert all(np.isfinite(part[p.CENTROID_VALUES]).all() for part in anchors.values())
 
 
 def test_a_round_without_valid_replies_keeps_the_global_state():
@@ -190,7 +213,7 @@ def test_a_round_without_valid_replies_keeps_the_global_state():
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=lambda reply, pid: None)
     _, _, (new_arrays, metrics) = _train_round(strategy, grid, arrays)
     assert new_arrays is None and metrics is None
-    assert not strategy.heads and not strategy.centroid_mask.any()
+    assert not strategy.state.personal.get(HEAD) and not strategy.state.shared[CENTROIDS][p.CENTROID_MASK].any()
 
 
 def test_too_few_replies_skip_the_round_then_stop_the_run_cleanly(tmp_path, caplog):
@@ -238,7 +261,7 @@ def test_a_restarted_supernode_gets_its_own_head_back():
     grid.partition_of_node[12345] = 2
     messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
     sent = next(p.sections_of(m.content)[p.MODEL] for m in messages if m.metadata.dst_node_id == 12345)
-    np.testing.assert_array_equal(sent["head.weight"], strategy.heads[2]["head.weight"])
+    np.testing.assert_array_equal(sent["head.weight"], strategy.state.personal[HEAD][2]["head.weight"])
     assert strategy.node_partition.get(12345) == 2 and old not in strategy.node_partition
 
 
