@@ -66,12 +66,16 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("test_data.py", "test_partition.py", "test_vem_partitions.py")),
     "sites": (("common/sites.py",), ("test_sites.py", "test_operator.py")),
     "client": (("common/training.py", "common/methods/fedpac/client.py", "common/methods/baselines/client.py",
-                "common/methods/fedccfa/client.py", "common/methods/pfedvem/client.py", "common/methods/base.py",
+                "common/methods/fedccfa/client.py", "common/methods/pfedvem/client.py",
+                "common/methods/fedprox/client.py", "common/methods/ditto/client.py", "common/methods/base.py",
                 "common/methods/client.py", "common/model.py"),
-               ("test_train.py", "test_learning.py", "test_baselines.py")),
-    "server": (("server_app/replies.py", "server_app/strategy.py", "common/protocol.py"),
+               ("test_train.py", "test_learning.py", "test_baselines.py", "test_fedccfa.py", "test_pfedvem.py",
+                "test_fedprox_ditto.py")),
+    "server": (("server_app/replies.py", "server_app/strategy.py", "common/protocol.py", "common/validation.py",
+                "common/methods/server.py", "common/methods/fedpac/server.py", "common/methods/fedccfa/server.py",
+                "common/methods/pfedvem/server.py"),
                ("test_strategy.py", "test_reply_table.py", "test_bad_replies.py", "test_operations.py",
-                "test_resume.py", "test_learning.py")),
+                "test_resume.py", "test_learning.py", "test_aggregation.py")),
 }
 # Modules whose every line is I/O or process plumbing that the e2e tier tests: mutating them
 # measures the tiers' split, not the tests.

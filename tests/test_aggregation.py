@@ -1,12 +1,19 @@
 """Extractor averaging by samples (eq. 18), centroids by class counts (eq. 19), and every head rule
-of a round: clustered (FedCCFA), confidence-weighted (pFedVEM)."""
+of a round (the methods' server steps): clustered (FedCCFA), confidence-weighted (pFedVEM)."""
 
 import numpy as np
 import pytest
 
-from common.aggregation import Clustering, _head_keys, aggregate_centroids, aggregate_round, clustered_heads
+from common import protocol as p
+from common.aggregation import Clustering, _head_keys, aggregate_centroids, clustered_heads
 from common.averaging import weighted_average
+from common.config import FedPACConfig
 from common.methods import METHODS
+from common.methods.fedccfa.server import ANCHORS
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.server import EXTRACTOR, HEAD, Update, server_part
+from common.validation import InvalidReply
+from server_app.replies import _parse_statistics
 
 
 def test_weighted_average_uses_sample_counts():
@@ -111,24 +118,69 @@ def test_clustered_heads_merge_trained_heads_within_each_class_cluster():
         np.testing.assert_allclose(head["head.bias"][1], biases[:, 1].mean())
 
 
+def _server(name, extractor, head, **settings):
+    """The server part of method ``name``, its knobs from a run config with ``settings``."""
+    return server_part(METHODS[name], FedPACConfig(strategy=name, **settings), extractor, head)
+
+
+def _checked(server, partition_id, extractor, head, num_examples, statistics, metrics=None):
+    """A client's update as the strategy hands it to the step: checked by the method's part."""
+    return server.check(Update(partition_id=partition_id, extractor=extractor, head=head,
+                               num_examples=num_examples, metrics=metrics or {}, statistics=statistics))
+
+
 def test_a_fedccfa_round_returns_the_clusters_with_the_merged_heads():
     """The clusters (labels, merged anchors) go back to the clients as their anchors: a round
     that loses them would leave feature alignment without targets."""
     heads, balanced, anchors, counts = _two_concepts()
     rng = np.random.default_rng(1)
     extractors = [{"w": rng.normal(size=(2, 2))} for _ in heads]
-    result = aggregate_round(
-        extractors=extractors, heads=heads, local_centroids=anchors, class_counts=counts, h=None, v=None,
-        num_examples=np.array([1.0, 2.0, 3.0, 4.0]), method=METHODS["fedccfa"], balanced_heads=balanced,
-        clustering=Clustering(eps=0.1),
-    )
-    merged, clusters = clustered_heads(heads, balanced, anchors, counts, Clustering(eps=0.1))
-    assert result.clusters is not None
-    np.testing.assert_array_equal(result.clusters.labels, clusters.labels)
-    np.testing.assert_allclose(result.clusters.anchors, clusters.anchors)
-    for got, expected in zip(result.heads, merged):
-        np.testing.assert_allclose(got["head.weight"], expected["head.weight"])
-    np.testing.assert_allclose(result.extractor["w"], weighted_average(extractors, [1.0, 2.0, 3.0, 4.0])["w"])
+    server = _server("fedccfa", extractors[0], heads[0], cluster_eps=0.1)
+    n = counts.sum(axis=1)  # the class counts sum to the reply's num-examples
+    updates = [
+        _checked(server, i, extractors[i], heads[i], int(n[i]), {
+            p.CENTROID_VALUES: anchors[i], p.CLASS_COUNTS: counts[i],
+            p.BALANCED_WEIGHT: balanced[i]["head.weight"], p.BALANCED_BIAS: balanced[i]["head.bias"]})
+        for i in range(len(heads))
+    ]
+    weights = np.array([1.0, 2.0, 3.0, 4.0])
+    state = server.initial_state()
+    step = server.step(state, updates, weights, 1)
+    # the step scales each client's class counts by its weight over its n_i (a capped client's shrink)
+    merged, clusters = clustered_heads(heads, balanced, anchors, counts * (weights / n)[:, None],
+                                       Clustering(eps=0.1))
+    assert step.record["cluster_partitions"] == [0, 1, 2, 3]
+    np.testing.assert_array_equal(step.record["clusters"], clusters.labels)
+    for i in range(len(heads)):
+        np.testing.assert_allclose(state.personal[ANCHORS][i][p.CENTROID_VALUES], clusters.anchors[i])
+        np.testing.assert_array_equal(state.personal[ANCHORS][i][p.CENTROID_MASK], clusters.anchor_mask[i])
+    assert sorted(state.personal[HEAD]) == [0, 1, 2, 3]
+    for i, expected in enumerate(merged):
+        np.testing.assert_allclose(state.personal[HEAD][i]["head.weight"], expected["head.weight"])
+    np.testing.assert_allclose(state.shared[EXTRACTOR]["w"], weighted_average(extractors, weights)["w"])
+
+
+def _pfedvem_updates(server, extractors, heads, rhos, num_examples):
+    """pFedVEM replies: each client's posterior (mean as its head, scales s) and its rho."""
+    return [
+        _checked(server, i, extractors[i], heads[i], int(num_examples[i]),
+                 {p.SCALE_WEIGHT: np.full_like(heads[i]["head.weight"], 0.5),
+                  p.SCALE_BIAS: np.full_like(heads[i]["head.bias"], 0.5)},
+                 {p.RHO: rhos[i], p.LOCAL_ACCURACY: 0.5})
+        for i in range(len(heads))
+    ]
+
+
+def _pfedvem_round(extractors, heads, rhos, num_examples, sample, previous_extractor, previous_head):
+    """One pFedVEM server step over the replies (partition-ids 0, 1, ...) with S_t = ``sample``,
+    from the base ``previous_extractor`` and the prior mean ``previous_head``."""
+    server = _server("pfedvem", previous_extractor, previous_head)
+    server.sample = sample
+    state = server.initial_state()
+    state.shared[EXTRACTOR], state.shared[HEAD] = previous_extractor, previous_head
+    updates = _pfedvem_updates(server, extractors, heads, rhos, num_examples)
+    step = server.step(state, updates, np.asarray(num_examples, dtype=np.float64), 1)
+    return state, step
 
 
 def test_a_pfedvem_round_averages_the_sampled_extractors_by_samples_and_heads_by_confidence():
@@ -139,22 +191,20 @@ def test_a_pfedvem_round_averages_the_sampled_extractors_by_samples_and_heads_by
     extractors = [{"w": rng.normal(size=(2, 2)).astype(np.float32)} for _ in range(3)]
     previous_extractor = {"w": np.zeros((2, 2), np.float32)}
     previous_head = {key: np.zeros_like(value) for key, value in heads[0].items()}
-    result = aggregate_round(
-        extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None, v=None,
-        num_examples=np.array([10.0, 30.0, 60.0]), method=METHODS["pfedvem"], rhos=[0.5, 2.0, 1.0],
-        in_sample=[True, True, False], previous_extractor=previous_extractor, previous_head=previous_head,
-    )
-    assert result.aggregated == [0, 1]
-    assert result.extractor is not None
-    np.testing.assert_allclose(result.extractor["w"], (10 * extractors[0]["w"] + 30 * extractors[1]["w"]) / 40,
+    state, step = _pfedvem_round(extractors, heads, [0.5, 2.0, 1.0], [10.0, 30.0, 60.0], [0, 1],
+                                 previous_extractor, previous_head)
+    assert step.record["aggregated"] == [0, 1] and step.record["sampled"] == [0, 1]
+    np.testing.assert_allclose(state.shared[EXTRACTOR]["w"], (10 * extractors[0]["w"] + 30 * extractors[1]["w"]) / 40,
                                rtol=1e-6)
     tau = np.array([1 / 0.5**2, 1 / 2.0**2])
     for key in ("head.weight", "head.bias"):
         expected = (tau[0] * heads[0][key] + tau[1] * heads[1][key]) / tau.sum()
-        np.testing.assert_allclose(result.global_head[key], expected, rtol=1e-6)
-    for kept, sent in zip(result.heads, heads):
-        np.testing.assert_array_equal(kept["head.weight"], sent["head.weight"])
-    assert result.centroids is None and result.collaboration is None
+        np.testing.assert_allclose(state.shared[HEAD][key], expected, rtol=1e-6)
+    assert sorted(state.personal[HEAD]) == [0, 1, 2]
+    for pid, sent in enumerate(heads):
+        np.testing.assert_array_equal(state.personal[HEAD][pid]["head.weight"], sent["head.weight"])
+    # no centroids and no collaboration: neither a centroid section nor alpha in the record
+    assert CENTROIDS not in state.shared and "alpha" not in step.record
 
 
 def test_a_fedpac_round_keeps_the_centroid_of_a_class_no_reply_has():
@@ -166,22 +216,28 @@ def test_a_fedpac_round_keeps_the_centroid_of_a_class_no_reply_has():
     local = rng.normal(size=(2, 3, 4))
     counts = np.array([[5.0, 2.0, 0.0], [1.0, 3.0, 0.0]])  # nobody has class 2 this round
     previous = rng.normal(size=(3, 4)).astype(np.float32)
-    result = aggregate_round(
-        extractors=extractors, heads=heads, local_centroids=local, class_counts=counts, h=None, v=None,
-        num_examples=np.array([7.0, 4.0]), previous_centroids=previous,
-        previous_mask=np.array([False, False, True]), method=METHODS["fedpac-align"],
-    )
-    np.testing.assert_array_equal(result.centroid_mask, [True, True, True])
-    np.testing.assert_array_equal(result.centroids[2], previous[2])
+    server = _server("fedpac-align", extractors[0], heads[0])
+    n = np.array([7.0, 4.0])
+    updates = [_checked(server, i, extractors[i], heads[i], int(n[i]),
+                        {p.CENTROID_VALUES: local[i], p.CLASS_COUNTS: counts[i]}) for i in range(2)]
+    state = server.initial_state()
+    state.shared[CENTROIDS] = {p.CENTROID_VALUES: previous, p.CENTROID_MASK: np.array([False, False, True])}
+    server.step(state, updates, n, 1)
+    np.testing.assert_array_equal(state.shared[CENTROIDS][p.CENTROID_MASK], [True, True, True])
+    np.testing.assert_array_equal(state.shared[CENTROIDS][p.CENTROID_VALUES][2], previous[2])
 
 
 def test_mixing_heads_without_the_statistics_says_what_is_missing():
     rng = np.random.default_rng(4)
     heads = [_linear_head(rng) for _ in range(2)]
-    with pytest.raises(ValueError, match="h and V"):
-        aggregate_round(extractors=[{"w": np.ones(2)}] * 2, heads=heads, local_centroids=np.zeros((2, 2, 3)),
-                        class_counts=np.ones((2, 2)), h=None, v=None, num_examples=np.array([1.0, 1.0]),
-                        method=METHODS["fedpac"])
+    server = _server("fedpac", {"w": np.ones(2)}, heads[0])
+    statistics = {p.CENTROID_VALUES: np.zeros((2, 3)), p.CLASS_COUNTS: np.ones(2)}
+    # h: a reply without it is refused before it reaches the step
+    with pytest.raises(InvalidReply, match="lack 'h'"):
+        _parse_statistics({p.STATISTICS: statistics}, server.statistics_shapes())
+    # V: the method's check of the reply asks for it
+    with pytest.raises(ValueError, match="'v'"):
+        _checked(server, 0, {"w": np.ones(2)}, heads[0], 2, {**statistics, p.H: np.zeros((2, 3))})
 
 
 def test_label_weighted_members_merge_by_their_class_counts():
@@ -203,12 +259,12 @@ def test_a_pfedvem_round_without_a_reply_from_the_sample_keeps_the_prior_and_the
     extractors = [{"w": rng.normal(size=(2, 2)).astype(np.float32)} for _ in range(2)]
     previous_extractor = {"w": rng.normal(size=(2, 2)).astype(np.float32)}
     previous_head = _linear_head(rng)
-    result = aggregate_round(
-        extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None, v=None,
-        num_examples=np.array([10.0, 30.0]), method=METHODS["pfedvem"], rhos=[0.5, 2.0],
-        in_sample=[False, False], previous_extractor=previous_extractor, previous_head=previous_head,
-    )
-    assert result.aggregated == []
-    np.testing.assert_array_equal(result.extractor["w"], previous_extractor["w"])
+    state, step = _pfedvem_round(extractors, heads, [0.5, 2.0], [10.0, 30.0], [],
+                                 previous_extractor, previous_head)
+    assert step.record["aggregated"] == []
+    np.testing.assert_array_equal(state.shared[EXTRACTOR]["w"], previous_extractor["w"])
     for key, value in previous_head.items():
-        np.testing.assert_array_equal(result.global_head[key], value)
+        np.testing.assert_array_equal(state.shared[HEAD][key], value)
+    assert sorted(state.personal[HEAD]) == [0, 1]
+    for pid, sent in enumerate(heads):
+        np.testing.assert_array_equal(state.personal[HEAD][pid]["head.weight"], sent["head.weight"])

@@ -16,14 +16,17 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 
 from client_app.app import app as client_app
 from common import protocol as p
-from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
 from common.methods import METHODS, Rule
 from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.pfedvem.server import SCALE
+from common.methods.server import EXTRACTOR, HEAD, server_part
 from common.model import HEAD_PREFIX, FedPACNet, split_state
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 
 RUN_CONFIG = {
     "samples-per-client": 60,
@@ -41,8 +44,8 @@ def _config(strategy, **extra):
 def _strategy(run_config):
     cfg = parse_run_config(run_config)
     extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
-    strategy = FedPAC(initial_head=head, num_rounds=cfg.num_server_rounds, seed=cfg.seed,
-                      method=METHODS[cfg.strategy])
+    strategy = PersonalizedStrategy(server=server_part(configured_method(cfg), cfg, extractor, head),
+                                    num_rounds=cfg.num_server_rounds, seed=cfg.seed)
     return strategy, extractor
 
 
@@ -111,19 +114,20 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
     # the server state that the method keeps, keyed by partition-id
     initial_extractor, initial_head = split_state(
         {k: v.numpy() for k, v in initial_model(parse_run_config(config)).state_dict().items()})
+    state = strategy.state
     if method.extractor is Rule.LOCAL:
-        assert sorted(strategy.local_extractors) == [0, 1, 2]
-        assert sorted(checkpoint.client_extractors) == [0, 1, 2]
+        assert sorted(state.personal[EXTRACTOR]) == [0, 1, 2]
+        assert sorted(checkpoint.state.personal[EXTRACTOR]) == [0, 1, 2]
     else:
-        assert not strategy.local_extractors
+        assert not state.personal.get(EXTRACTOR)
         assert not np.array_equal(strategy.extractor["extractor.0.weight"], initial_extractor["extractor.0.weight"])
     if method.head is Rule.AVERAGE:
-        assert not strategy.heads and checkpoint.global_head is not None
-        assert not np.array_equal(strategy.global_head["head.weight"], initial_head["head.weight"])
+        assert not state.personal.get(HEAD) and HEAD in checkpoint.state.shared
+        assert not np.array_equal(state.shared[HEAD]["head.weight"], initial_head["head.weight"])
     else:
-        assert sorted(strategy.heads) == [0, 1, 2]
-        assert (checkpoint.global_head is not None) == method.keeps_global_head
-    assert sorted(checkpoint.posterior_scales) == ([0, 1, 2] if method.keeps_posteriors else [])
+        assert sorted(state.personal[HEAD]) == [0, 1, 2]
+        assert (HEAD in checkpoint.state.shared) == method.keeps_global_head
+    assert sorted(checkpoint.state.personal.get(SCALE, {})) == ([0, 1, 2] if method.keeps_posteriors else [])
 
 
 # ---------------------------------------------------------------------------- FedAvg
@@ -144,7 +148,7 @@ def test_fedavg_aggregate_equals_a_hand_computed_weighted_mean():
     strategy.discover(grid, timeout=60)
     messages = list(strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid))
     pid_of = {m.metadata.dst_node_id: grid.partition_of_node[m.metadata.dst_node_id] for m in messages}
-    template = {**extractor, **strategy.initial_head}
+    template = {**extractor, **strategy.server.initial_head}
     # client k sends every weight equal to k + 1 and n_k = 10, 30, 60 samples
     sizes = {0: 10, 1: 30, 2: 60}
     replies = [
@@ -157,7 +161,7 @@ def test_fedavg_aggregate_equals_a_hand_computed_weighted_mean():
     assert metrics["num-replies"] == 3
     for value in p.from_record(new_arrays).values():  # the extractor Flower carries on
         np.testing.assert_allclose(value, expected, rtol=1e-6)
-    for value in strategy.global_head.values():  # and the head: FedAvg averages the whole model
+    for value in strategy.state.shared[HEAD].values():  # and the head: FedAvg averages the whole model
         np.testing.assert_allclose(value, expected, rtol=1e-6)
     # every node, including one that never trained, evaluates the one global model
     grid.contexts[12345] = grid.contexts[next(iter(grid.contexts))]
@@ -193,8 +197,8 @@ def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires
     with caplog.at_level(logging.WARNING):
         _, (_, metrics) = _train_round(strategy, grid, extractor)
     assert metrics["num-replies"] == 2 and "statistics lack 'h'" in caplog.text
-    assert sorted(strategy.heads) == [0, 1]
-    assert not strategy.centroid_mask.any()  # collaboration only: no centroids, ever
+    assert sorted(strategy.state.personal[HEAD]) == [0, 1]
+    assert CENTROIDS not in strategy.state.shared  # collaboration only: no centroids, ever
 
 
 # ---------------------------------------------------------------------------- local heads
@@ -213,7 +217,7 @@ def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
     assert not np.allclose(trained[0]["head.weight"], trained[1]["head.weight"])  # a real test
     for pid, arrays in trained.items():
         for key in ("head.weight", "head.bias"):
-            np.testing.assert_array_equal(strategy.heads[pid][key], arrays[key])
+            np.testing.assert_array_equal(strategy.state.personal[HEAD][pid][key], arrays[key])
     # the extractor is still shared: the sample-weighted mean of the replies' extractors
     n = {pid: content[p.METRICS][p.NUM_EXAMPLES] for pid, content in recorder.train.items()}
     for key, value in p.from_record(new_arrays).items():
@@ -369,7 +373,7 @@ def test_fedavg_ft_fine_tunes_the_head_before_evaluating_and_is_deterministic():
 
 def test_unknown_strategy_is_a_config_error_naming_the_key_and_the_choices():
     with pytest.raises(ConfigError) as err:
-        parse_run_config({"strategy": "fedprox"})
+        parse_run_config({"strategy": "scaffold"})
     message = str(err.value)
     assert "'strategy'" in message and all(name in message for name in METHODS)
     with pytest.raises(ConfigError, match="'fedrep-head-epochs'.*>= 0"):
@@ -394,15 +398,17 @@ def test_a_baseline_resumes_to_the_same_final_model(name, tmp_path):
     (crashed,) = (tmp_path / "crashed").iterdir()
     resumed, report = run({"output-dir": str(tmp_path / "resumed"), "resume-from": str(crashed)}, 3)
     assert [r.round for r in report.rounds] == [1, 2, 3]
-    assert sorted(resumed.local_extractors) == sorted(full.local_extractors)
-    for pid, arrays in full.local_extractors.items():
+    # the state's sections: Local-only keeps every extractor and head, FedAvg one of each
+    assert sorted(resumed.state.shared) == sorted(full.state.shared)
+    assert sorted(resumed.state.personal) == sorted(full.state.personal)
+    for section, arrays in full.state.shared.items():  # the extractor (and FedAvg's head)
         for key, value in arrays.items():
-            np.testing.assert_array_equal(resumed.local_extractors[pid][key], value)
-    for key, value in {**full.extractor, **full.global_head}.items():
-        np.testing.assert_array_equal({**resumed.extractor, **resumed.global_head}[key], value)
-    for pid, head in full.heads.items():
-        for key, value in head.items():
-            np.testing.assert_array_equal(resumed.heads[pid][key], value)
+            np.testing.assert_array_equal(resumed.state.shared[section][key], value)
+    for section, parts in full.state.personal.items():  # Local-only's extractors and heads
+        assert sorted(resumed.state.personal[section]) == sorted(parts)
+        for pid, arrays in parts.items():
+            for key, value in arrays.items():
+                np.testing.assert_array_equal(resumed.state.personal[section][pid][key], value)
     # a checkpoint resumes only as the method that wrote it
     with pytest.raises(ConfigError, match="checkpoint is a '" + name):
         run({"strategy": "fedpac", "output-dir": str(tmp_path / "other"), "resume-from": str(crashed)}, 3)

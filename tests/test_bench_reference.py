@@ -5,26 +5,45 @@ import sys
 import numpy as np
 from benches import load_bench
 
-from common.aggregation import aggregate_round
+from common import protocol
 from common.collaboration import collaboration_matrix_direct, qp_objective
+from common.methods.fedpac.server import CENTROIDS
+from common.methods.server import EXTRACTOR, HEAD
 
 bench = load_bench("server_aggregation")
 naive_round, synthetic_round = bench.naive_round, bench.synthetic_round
+fedpac_round, step_round = bench.fedpac_round, bench.step_round
 
 
-def test_naive_reference_and_aggregate_round_agree():
+def test_naive_reference_and_the_fedpac_server_step_agree():
     data = synthetic_round(6, 10, "clustered", seed=1)
-    ours = aggregate_round(**data, alpha_threshold=0.0)
+    server, updates, weights = fedpac_round(data, threshold=0.0)
+    # what the bench times is the server step the strategy runs: FedPAC's, without a threshold
+    assert server.method.name == "fedpac" and server.cfg.alpha_threshold == 0.0
+    for update in updates:  # the statistics as the method's own check derives them from a reply
+        reply = server.check(bench.Update(
+            partition_id=update.partition_id, extractor=update.extractor, head=update.head,
+            num_examples=update.num_examples, metrics={protocol.V: update.parsed["v"]},
+            statistics={protocol.CENTROID_VALUES: update.parsed["centroids"].astype(np.float32),
+                        protocol.CLASS_COUNTS: update.parsed["class_counts"],
+                        protocol.H: update.parsed["h"].astype(np.float32)}))
+        assert sorted(reply.parsed) == sorted(update.parsed)
+        for key, value in update.parsed.items():
+            np.testing.assert_allclose(reply.parsed[key], value, rtol=1e-6, atol=1e-7)
+    state, step = step_round(server, updates, weights)
     extractor, centroids, alpha, heads = naive_round(data, threshold=0.0)
     for key, value in extractor.items():
-        np.testing.assert_allclose(ours.extractor[key], value, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(ours.centroids, centroids, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state.shared[EXTRACTOR][key], value, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(state.shared[CENTROIDS][protocol.CENTROID_VALUES], centroids, rtol=1e-5, atol=1e-6)
+    ours_alpha = np.array(step.record["alpha"])
+    assert step.record["alpha_partitions"] == list(range(6))
     for i in range(6):
         p = collaboration_matrix_direct(data["h"], data["v"], data["num_examples"], i)
-        assert qp_objective(p, ours.collaboration.alpha[i]) <= qp_objective(p, alpha[i]) * (1 + 1e-6) + 1e-12
+        assert qp_objective(p, ours_alpha[i]) <= qp_objective(p, alpha[i]) * (1 + 1e-6) + 1e-12
+    ours_heads = [state.personal[HEAD][pid] for pid in range(6)]
     for key in heads[0]:
         np.testing.assert_allclose(
-            np.stack([h[key] for h in ours.heads]), np.stack([h[key] for h in heads]), atol=5e-3
+            np.stack([h[key] for h in ours_heads]), np.stack([h[key] for h in heads]), atol=5e-3
         )
 
 

@@ -22,6 +22,8 @@ from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
 from common.methods.client import ClientResult, LocalData, Received, client_routine
 from common.methods.fedccfa.client import balanced_sample, contrastive_alignment_loss
+from common.methods.fedccfa.server import ANCHORS, GLOBAL_ANCHORS
+from common.methods.server import HEAD
 from common.model import HEAD_PREFIX, FedPACNet
 from federation import InProcessGrid
 from server_app.app import run_fedpac
@@ -204,7 +206,7 @@ def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
     assert all(m["align-loss"] > 0 for m in report.rounds[2].train.values())
     # phi^0 goes to every client every round; has-personal-head only after a first reply
     trains = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-    initial = strategy.initial_head
+    initial = strategy.server.initial_head
     for message in trains:
         sent = p.sections_of(message.content)[p.INITIAL_HEAD]
         for key, value in initial.items():
@@ -221,9 +223,9 @@ def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
     assert [bool(g) for g in generalized] == [False, True, False, True]
     assert len((run_dir / "clusters.csv").read_text().splitlines()) == 1 + 4 * 10 * 6
     checkpoint = load_checkpoint(run_dir)
-    assert sorted(checkpoint.anchors) == list(range(6))
-    for values, mask in checkpoint.anchors.values():
-        assert values.shape == (10, 128) and mask.all()
+    assert sorted(checkpoint.state.personal[ANCHORS]) == list(range(6))
+    for anchors in checkpoint.state.personal[ANCHORS].values():
+        assert anchors[p.CENTROID_VALUES].shape == (10, 128) and anchors[p.CENTROID_MASK].all()
     assert json.loads((run_dir / "metrics.json").read_text())["rounds"][-1]["generalized"]
 
 
@@ -244,13 +246,14 @@ def test_fedccfa_with_drift_resumes_exactly(tmp_path):
 
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
     assert [r.clusters for r in report.rounds] == [r.clusters for r in full_report.rounds]
-    assert sorted(resumed.anchors) == sorted(full.anchors)
-    for pid, (values, mask) in full.anchors.items():
-        np.testing.assert_array_equal(resumed.anchors[pid][0], values)
-        np.testing.assert_array_equal(resumed.anchors[pid][1], mask)
-    for pid, head in full.heads.items():
+    full_anchors, resumed_anchors = full.state.personal[ANCHORS], resumed.state.personal[ANCHORS]
+    assert sorted(resumed_anchors) == sorted(full_anchors)
+    for pid, anchors in full_anchors.items():
+        np.testing.assert_array_equal(resumed_anchors[pid][p.CENTROID_VALUES], anchors[p.CENTROID_VALUES])
+        np.testing.assert_array_equal(resumed_anchors[pid][p.CENTROID_MASK], anchors[p.CENTROID_MASK])
+    for pid, head in full.state.personal[HEAD].items():
         for key, value in head.items():
-            np.testing.assert_array_equal(resumed.heads[pid][key], value)
+            np.testing.assert_array_equal(resumed.state.personal[HEAD][pid][key], value)
 
 
 def test_without_clustered_anchors_every_client_aligns_to_the_latest_round_mean(tmp_path):
@@ -270,4 +273,5 @@ def test_without_clustered_anchors_every_client_aligns_to_the_latest_round_mean(
         for targets in by_round[later][1:]:
             np.testing.assert_array_equal(targets[p.CENTROID_VALUES], first[p.CENTROID_VALUES])
     checkpoint = load_checkpoint(next(tmp_path.iterdir()))
-    np.testing.assert_array_equal(checkpoint.anchors[-1][0], strategy.anchors[-1][0])
+    np.testing.assert_array_equal(checkpoint.state.personal[ANCHORS][GLOBAL_ANCHORS][p.CENTROID_VALUES],
+                                  strategy.state.personal[ANCHORS][GLOBAL_ANCHORS][p.CENTROID_VALUES])

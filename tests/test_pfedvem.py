@@ -20,15 +20,15 @@ import torch
 from flwr.app import ConfigRecord, Context, MessageType, RecordDict
 
 from common import protocol as p
-from common.aggregation import aggregate_round
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
 from common.methods.client import LocalData, Received, client_routine
+from common.methods.pfedvem.server import SCALE, initial_prior_head
+from common.methods.server import EXTRACTOR, HEAD, Update, server_part
 from common.model import FedPACNet, split_state
 from common.training import evaluate
 from common.variational import (
     GaussianHead,
-    VEMProtocol,
     aggregate_sample,
     confidence_rho,
     draw_sample,
@@ -36,9 +36,9 @@ from common.variational import (
     softplus_inverse,
 )
 from federation import InProcessGrid, drop_section, nan, set_array, set_metric, set_section
-from server_app.app import initial_model, initial_prior_head, run_fedpac
+from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
-from server_app.strategy import FedPAC
+from server_app.strategy import PersonalizedStrategy
 
 PFEDVEM = METHODS["pfedvem"]
 BASE = {
@@ -161,19 +161,25 @@ def test_the_server_step_keeps_every_posterior_mean_and_returns_the_prior_mean()
     rng = np.random.default_rng(1)
     heads = [{p.HEAD_WEIGHT: rng.normal(size=(4, 3)), p.HEAD_BIAS: rng.normal(size=4)} for _ in range(3)]
     extractors = [{"w": rng.normal(size=2)} for _ in range(3)]
-    result = aggregate_round(
-        extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None, v=None,
-        num_examples=np.array([1.0, 1.0, 1.0]), method=PFEDVEM, rhos=[1.0, 1.0, 1.0],
-        in_sample=[True, True, False], previous_extractor=extractors[0], previous_head=heads[0],
-    )
-    assert result.aggregated == [0, 1]
-    for kept, sent in zip(result.heads, heads):  # never reset to w
-        np.testing.assert_array_equal(kept[p.HEAD_WEIGHT], sent[p.HEAD_WEIGHT])
+    server = server_part(PFEDVEM, FedPACConfig(strategy="pfedvem"), extractors[0], heads[0])
+    server.sample = [0, 1]  # S_t: the third reply is not in it
+    state = server.initial_state()
+    state.shared[EXTRACTOR], state.shared[HEAD] = extractors[0], heads[0]
+
+    def update(pid, metrics):
+        return Update(partition_id=pid, extractor=extractors[pid], head=heads[pid], num_examples=1,
+                      metrics=metrics, statistics={p.SCALE_WEIGHT: np.ones((4, 3)), p.SCALE_BIAS: np.ones(4)})
+
+    updates = [server.check(update(pid, {p.RHO: 1.0, p.LOCAL_ACCURACY: 0.5})) for pid in range(3)]
+    step = server.step(state, updates, np.array([1.0, 1.0, 1.0]), 1)
+    assert step.record["aggregated"] == [0, 1]
+    assert sorted(state.personal[HEAD]) == sorted(state.personal[SCALE]) == [0, 1, 2]
+    for pid, sent in enumerate(heads):  # never reset to w
+        np.testing.assert_array_equal(state.personal[HEAD][pid][p.HEAD_WEIGHT], sent[p.HEAD_WEIGHT])
     expected = (heads[0][p.HEAD_WEIGHT] + heads[1][p.HEAD_WEIGHT]) / 2
-    np.testing.assert_allclose(result.global_head[p.HEAD_WEIGHT], expected)
-    with pytest.raises(ValueError, match="rho"):
-        aggregate_round(extractors=extractors, heads=heads, local_centroids=None, class_counts=None, h=None,
-                        v=None, num_examples=np.ones(3), method=PFEDVEM)
+    np.testing.assert_allclose(state.shared[HEAD][p.HEAD_WEIGHT], expected)
+    with pytest.raises(ValueError, match="rho"):  # a reply without its rho never reaches the step
+        server.check(update(0, {p.LOCAL_ACCURACY: 0.5}))
 
 
 def test_the_linear_layout_is_transposed_once_into_the_papers():
@@ -267,7 +273,7 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
                 np.testing.assert_array_equal(posterior[p.SCALE_BIAS], own_scale[p.SCALE_BIAS])
         else:
             _assert_close(strategy.extractor, extractor)
-            _assert_close(strategy.global_head, head)
+            _assert_close(strategy.state.shared[HEAD], head)
         if len(sample) < CLIENTS:
             everyone, _ = _expected_aggregate(recorder, server_round, list(range(CLIENTS)))
             assert not np.allclose(everyone["extractor.0.weight"], extractor["extractor.0.weight"])
@@ -276,12 +282,13 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
 
     # posteriors: one per client, different between clients, moved from w^0 and from round to round
     initial = initial_prior_head(parse_run_config(BASE))
-    assert sorted(strategy.heads) == sorted(strategy.posterior_scales) == list(range(CLIENTS))
-    means = [strategy.heads[pid][p.HEAD_WEIGHT] for pid in range(CLIENTS)]
+    heads, scales = strategy.state.personal[HEAD], strategy.state.personal[SCALE]
+    assert sorted(heads) == sorted(scales) == list(range(CLIENTS))
+    means = [heads[pid][p.HEAD_WEIGHT] for pid in range(CLIENTS)]
     assert all(not np.array_equal(a, b) for i, a in enumerate(means) for b in means[i + 1:])
     assert all(not np.array_equal(m, initial[p.HEAD_WEIGHT]) for m in means)
     s0 = softplus_inverse(1.0)
-    assert all(not np.allclose(strategy.posterior_scales[pid][p.HEAD_WEIGHT], s0) for pid in range(CLIENTS))
+    assert all(not np.allclose(scales[pid][p.HEAD_WEIGHT], s0) for pid in range(CLIENTS))
     first_round = [_reply_parts(recorder.train[(1, pid)])[1][p.HEAD_WEIGHT] for pid in range(CLIENTS)]
     assert all(not np.array_equal(a, b) for a, b in zip(first_round, means))
     # round 1's messages carried w^0 as every client's mean, sigma = 1 (the code's initialization)
@@ -299,7 +306,7 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     for message in evaluations:
         arrays = p.sections_of(message.content)[p.MODEL]
         pid = _pid_of(grid, message.metadata.dst_node_id)
-        np.testing.assert_array_equal(arrays[p.HEAD_WEIGHT], strategy.heads[pid][p.HEAD_WEIGHT])
+        np.testing.assert_array_equal(arrays[p.HEAD_WEIGHT], heads[pid][p.HEAD_WEIGHT])
         np.testing.assert_array_equal(arrays["extractor.0.weight"], strategy.extractor["extractor.0.weight"])
 
     # both accuracies in the outputs, the protocol in the config
@@ -318,8 +325,8 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     config = json.loads((run_dir / "config.json").read_text())
     assert config["vem_protocol"] == "all-train" and config["vem_sampling_rate"] == 0.5
     final = np.load(run_dir / "final_state.npz")
-    np.testing.assert_array_equal(final["head/head.weight"], strategy.global_head[p.HEAD_WEIGHT])
-    np.testing.assert_array_equal(final["client-2/scale/head.weight"], strategy.posterior_scales[2][p.HEAD_WEIGHT])
+    np.testing.assert_array_equal(final["head/head.weight"], strategy.state.shared[HEAD][p.HEAD_WEIGHT])
+    np.testing.assert_array_equal(final["client-2/scale/head.weight"], scales[2][p.HEAD_WEIGHT])
 
 
 def test_sampled_train_trains_only_the_sample_and_everyone_in_a_full_last_round(tmp_path, caplog):
@@ -337,7 +344,7 @@ def test_sampled_train_trains_only_the_sample_and_everyone_in_a_full_last_round(
         assert sorted(record.accuracy) == list(range(CLIENTS))  # everyone is evaluated every round
     # not everyone trains: every round has its own evaluate message (no fused evaluation)
     assert len([m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]) == CLIENTS * rounds
-    assert sorted(strategy.posterior_scales) == list(range(CLIENTS))
+    assert sorted(strategy.state.personal[SCALE]) == list(range(CLIENTS))
 
 
 class RestartingGrid(InProcessGrid):
@@ -383,13 +390,15 @@ def _assert_same_run(a, a_report, b, b_report):
         assert x.accuracy == y.accuracy and x.sampled == y.sampled and x.aggregated == y.aggregated
         assert ({pid: {k: v for k, v in m.items() if k not in TIMES} for pid, m in x.train.items()}
                 == {pid: {k: v for k, v in m.items() if k not in TIMES} for pid, m in y.train.items()})
-    for key, value in {**a.extractor, **a.global_head}.items():
-        np.testing.assert_array_equal({**b.extractor, **b.global_head}[key], value)
-    assert sorted(a.heads) == sorted(b.heads) and sorted(a.posterior_scales) == sorted(b.posterior_scales)
-    for pid in a.heads:
-        for key in a.heads[pid]:
-            np.testing.assert_array_equal(b.heads[pid][key], a.heads[pid][key])
-            np.testing.assert_array_equal(b.posterior_scales[pid][key], a.posterior_scales[pid][key])
+    for key, value in {**a.extractor, **a.state.shared[HEAD]}.items():
+        np.testing.assert_array_equal({**b.extractor, **b.state.shared[HEAD]}[key], value)
+    a_heads, a_scales = a.state.personal[HEAD], a.state.personal[SCALE]
+    b_heads, b_scales = b.state.personal[HEAD], b.state.personal[SCALE]
+    assert sorted(a_heads) == sorted(b_heads) and sorted(a_scales) == sorted(b_scales)
+    for pid in a_heads:
+        for key in a_heads[pid]:
+            np.testing.assert_array_equal(b_heads[pid][key], a_heads[pid][key])
+            np.testing.assert_array_equal(b_scales[pid][key], a_scales[pid][key])
 
 
 @pytest.mark.parametrize("protocol", ["all-train", "sampled-train"])
@@ -403,8 +412,9 @@ def test_a_resumed_run_equals_an_uninterrupted_one(protocol, tmp_path):
     # the rounds before the crash; with every client training (fused evaluation) round 2 is
     # evaluated in round 3's train replies, which the crash never collects
     assert checkpoint.completed_rounds == (1 if protocol == "all-train" else 2)
-    assert checkpoint.global_head is not None
-    assert sorted(checkpoint.posterior_scales) == sorted(checkpoint.heads) and checkpoint.posterior_scales
+    assert HEAD in checkpoint.state.shared
+    scales = checkpoint.state.personal[SCALE]
+    assert sorted(scales) == sorted(checkpoint.state.personal[HEAD]) and scales
     resumed, report, _, _ = _run({**config, "resume-from": str(crashed)}, tmp_path, "resumed", grid_seed=3)
     _assert_same_run(full, full_report, resumed, report)
 
@@ -452,11 +462,11 @@ def test_a_bad_pfedvem_reply_is_rejected_and_the_round_goes_on(case, caplog):
         return reply
 
     config = {**BASE, "num-server-rounds": 2}
-    cfg = parse_run_config(config)
-    extractor, _ = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    # every client in S_t (the server's sampling rate 1): the bad one would have entered both means
+    cfg = parse_run_config({**config, "vem-sampling-rate": 1.0})
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
     initial_head = initial_prior_head(cfg)
-    # every client in S_t: the bad one would have entered both means
-    strategy = FedPAC(initial_head=initial_head, num_rounds=2, method=PFEDVEM, vem=VEMProtocol(sampling_rate=1.0))
+    strategy = PersonalizedStrategy(server=server_part(PFEDVEM, cfg, extractor, head), num_rounds=2)
     grid = InProcessGrid(config, 4, tamper=tampering)
     strategy.discover(grid, timeout=60)
     messages = list(strategy.configure_train(1, p.to_record(extractor), ConfigRecord(), grid))
@@ -467,10 +477,11 @@ def test_a_bad_pfedvem_reply_is_rejected_and_the_round_goes_on(case, caplog):
     assert f"Rejected reply from node {bad_node}" in caplog.text
     survivors = [0, 2, 3]
     assert metrics["num-replies"] == 3 and strategy._record.aggregated == survivors
-    assert sorted(strategy.heads) == sorted(strategy.posterior_scales) == survivors  # no posterior of the bad one
+    # no posterior of the bad one
+    assert sorted(strategy.state.personal[HEAD]) == sorted(strategy.state.personal[SCALE]) == survivors
     assert all(np.isfinite(v).all() for v in p.from_record(new_arrays).values())
-    assert all(np.isfinite(v).all() for v in strategy.global_head.values())
-    assert not np.array_equal(strategy.global_head[p.HEAD_WEIGHT], initial_head[p.HEAD_WEIGHT])
+    assert all(np.isfinite(v).all() for v in strategy.state.shared[HEAD].values())
+    assert not np.array_equal(strategy.state.shared[HEAD][p.HEAD_WEIGHT], initial_head[p.HEAD_WEIGHT])
 
 
 # ---------------------------------------------------------------------------- config
