@@ -327,7 +327,7 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(0.0 <= cfg.vem_momentum < 1.0, k("vem_momentum"), cfg.vem_momentum, "in [0, 1)")
     # pFedVEM draws who is aggregated (and, sampled-train, who trains) itself: a second sampling
     # on top would silently change its protocol
-    _check(not METHODS[cfg.strategy].aggregates_a_sample or cfg.fraction_train == 1.0, k("fraction_train"),
+    _check(not METHODS[cfg.strategy].draws_its_own_sample or cfg.fraction_train == 1.0, k("fraction_train"),
            cfg.fraction_train, f"1 with strategy '{cfg.strategy}', which samples with vem-sampling-rate "
            "and vem-protocol")
     _check(cfg.drift in DRIFT_PATTERNS, k("drift"), cfg.drift, f"one of {', '.join(DRIFT_PATTERNS)}")

@@ -235,7 +235,7 @@ def last_round_differs(config: dict[str, Any]) -> bool:
     every client in its last round (``full-last-round``). Such a run cannot be extended exactly."""
     if not config["full_last_round"]:
         return False
-    samples_trainers = (METHODS[config["strategy"]].aggregates_a_sample and config["vem_protocol"] != "all-train"
+    samples_trainers = (METHODS[config["strategy"]].draws_its_own_sample and config["vem_protocol"] != "all-train"
                         and config["vem_sampling_rate"] < 1.0)
     return config["fraction_train"] < 1.0 or samples_trainers
 

@@ -27,6 +27,7 @@ from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
 from server_app.strategy import PersonalizedStrategy
+from method_traits import traits
 
 RUN_CONFIG = {
     "samples-per-client": 60,
@@ -90,19 +91,19 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
     # clients send statistics only when the server step uses them, and only the ones it uses
     for content in recorder.train.values():
         sections = p.sections_of(content)
-        assert (p.STATISTICS in sections) == (method.sends_class_counts or method.keeps_posteriors)
+        assert (p.STATISTICS in sections) == (traits(method).sends_statistics)
         if p.STATISTICS in sections:
             sent = set(sections[p.STATISTICS])
-            assert (p.CENTROID_VALUES in sent) == method.needs_centroids
-            assert (p.H in sent) == method.needs_statistics
-            assert (p.SCALE_WEIGHT in sent) == method.keeps_posteriors
-        assert (p.RHO in content[p.METRICS]) == method.keeps_posteriors
-        assert (p.LOCAL_ACCURACY in content[p.METRICS]) == method.evaluates_local_model
-        assert (p.V in content[p.METRICS]) == method.needs_statistics
+            assert (p.CENTROID_VALUES in sent) == traits(method).centroids
+            assert (p.H in sent) == traits(method).statistics
+            assert (p.SCALE_WEIGHT in sent) == traits(method).posteriors
+        assert (p.RHO in content[p.METRICS]) == traits(method).posteriors
+        assert (p.LOCAL_ACCURACY in content[p.METRICS]) == traits(method).local_evaluation
+        assert (p.V in content[p.METRICS]) == traits(method).statistics
     # the server sends centroids only to methods that align features
     train_messages = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
-    assert all((p.CENTROIDS in p.sections_of(m.content)) == method.needs_centroids for m in train_messages)
-    assert all((p.POSTERIOR in p.sections_of(m.content)) == method.keeps_posteriors for m in train_messages)
+    assert all((p.CENTROIDS in p.sections_of(m.content)) == traits(method).centroids for m in train_messages)
+    assert all((p.POSTERIOR in p.sections_of(m.content)) == traits(method).posteriors for m in train_messages)
 
     (run_dir,) = tmp_path.iterdir()
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -126,8 +127,8 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
         assert not np.array_equal(state.shared[HEAD]["head.weight"], initial_head["head.weight"])
     else:
         assert sorted(state.personal[HEAD]) == [0, 1, 2]
-        assert (HEAD in checkpoint.state.shared) == method.keeps_global_head
-    assert sorted(checkpoint.state.personal.get(SCALE, {})) == ([0, 1, 2] if method.keeps_posteriors else [])
+        assert (HEAD in checkpoint.state.shared) == traits(method).global_head
+    assert sorted(checkpoint.state.personal.get(SCALE, {})) == ([0, 1, 2] if traits(method).posteriors else [])
 
 
 # ---------------------------------------------------------------------------- FedAvg
@@ -284,16 +285,16 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     update = _local_update(model, x, y, received, cfg)
     assert all(_changed(extractor_before, model.extractor)) and all(_changed(head_before, model.head))
     assert update.num_examples == len(x)
-    assert (p.H in update.statistics) == (p.V in update.metrics) == method.needs_statistics
-    assert (p.CENTROID_VALUES in update.statistics) == method.needs_centroids
-    assert (p.CLASS_COUNTS in update.statistics) == method.sends_class_counts
-    assert ("align-loss" in update.metrics) == method.needs_centroids
-    if method.needs_centroids:
+    assert (p.H in update.statistics) == (p.V in update.metrics) == traits(method).statistics
+    assert (p.CENTROID_VALUES in update.statistics) == traits(method).centroids
+    assert (p.CLASS_COUNTS in update.statistics) == traits(method).class_counts
+    assert ("align-loss" in update.metrics) == traits(method).centroids
+    if traits(method).centroids:
         assert update.metrics["align-loss"] > 0
     if p.CLASS_COUNTS in update.statistics:
         assert update.statistics[p.CLASS_COUNTS].tolist() == [8] * 5 + [0] * 5
-    assert (p.BALANCED_WEIGHT in update.statistics) == method.sends_balanced_head
-    assert (p.SCALE_WEIGHT in update.statistics) == (p.RHO in update.metrics) == method.keeps_posteriors
+    assert (p.BALANCED_WEIGHT in update.statistics) == traits(method).balanced_head
+    assert (p.SCALE_WEIGHT in update.statistics) == (p.RHO in update.metrics) == traits(method).posteriors
 
 
 def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():

@@ -38,6 +38,7 @@ from common.training import evaluate, extract_features
 from federation import InProcessGrid
 from server_app.app import initial_model, run_fedpac
 from server_app.report import RoundRecord, RunReport
+from method_traits import traits
 
 NUM_CLIENTS = 3
 ROUNDS = 3
@@ -216,7 +217,7 @@ def test_the_reported_training_metrics_are_what_the_client_achieved(name, tmp_pa
         reported = recorded[p.TRAIN_LOSS]
         assert reported == reply.content[p.METRICS][p.TRAIN_LOSS]
         assert after * 0.9 <= reported <= before, f"partition {pid}: {before:.3f} -> {after:.3f}, reported {reported}"
-        if METHODS[name].evaluates_local_model:
+        if traits(METHODS[name]).local_evaluation:
             local_loss, local_accuracy = evaluate(trained, x_test, y_test)
             assert recorded[p.LOCAL_ACCURACY] == pytest.approx(local_accuracy, abs=1e-6), f"partition {pid}"
             assert recorded[p.LOCAL_LOSS] == pytest.approx(local_loss, rel=1e-5), f"partition {pid}"

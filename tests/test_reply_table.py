@@ -42,6 +42,7 @@ from server_app.replies import (
     parse_train_reply,
 )
 from server_app.strategy import PersonalizedStrategy
+from method_traits import traits
 
 # Small enough that a method's exchange takes a second or two on a CPU. The generalized accuracy
 # (a pass over the whole test set) is left out: its rows add it to the evaluation themselves.
@@ -64,8 +65,8 @@ def statistics_sent(method: Method) -> tuple[str, ...]:
 
 def reply_shape(method: Method) -> tuple:
     """What a method's training reply carries besides the model: statistics and extra metrics."""
-    return (statistics_sent(method), method.needs_statistics, method.keeps_posteriors,
-            method.evaluates_local_model)
+    return (statistics_sent(method), traits(method).statistics, traits(method).posteriors,
+            traits(method).local_evaluation)
 
 
 # The method whose exchange also has the pre-flight, fused evaluation and evaluate replies: those
@@ -377,35 +378,36 @@ ROWS: list[Row] = [
     Row("no train-loss", (TRAIN,), drop_metric(p.TRAIN_LOSS), "missing metric 'train-loss'"),
     Row("an infinite train-loss", (TRAIN,), set_metric(p.TRAIN_LOSS, float("inf")),
         "'train-loss' = inf is not a finite"),
-    Row("no v", (TRAIN,), drop_metric(p.V), "missing metric 'v'", applies=lambda m: m.needs_statistics),
+    Row("no v", (TRAIN,), drop_metric(p.V), "missing metric 'v'", applies=lambda m: traits(m).statistics),
     Row("a NaN v", (TRAIN,), set_metric(p.V, float("nan")), "'v' = nan is not a finite",
-        applies=lambda m: m.needs_statistics),
-    Row("a negative v", (TRAIN,), set_metric(p.V, -1.0), "V = -1.0 is negative", applies=lambda m: m.needs_statistics),
+        applies=lambda m: traits(m).statistics),
+    Row("a negative v", (TRAIN,), set_metric(p.V, -1.0), "V = -1.0 is negative",
+        applies=lambda m: traits(m).statistics),
     # h finite in float32, its squares not: V's rounding scale must not become Inf
     Row("a negative v beside an h whose squares overflow float32", (TRAIN,),
         both(set_array(p.STATISTICS, p.H, lambda a: np.full(a.shape, 1e30, np.float32)), set_metric(p.V, -1e300)),
-        "V = -1e+300 is negative", applies=lambda m: m.needs_statistics),
-    Row("no rho", (TRAIN,), drop_metric(p.RHO), "missing metric 'rho'", applies=lambda m: m.keeps_posteriors),
+        "V = -1e+300 is negative", applies=lambda m: traits(m).statistics),
+    Row("no rho", (TRAIN,), drop_metric(p.RHO), "missing metric 'rho'", applies=lambda m: traits(m).posteriors),
     Row("a NaN rho", (TRAIN,), set_metric(p.RHO, float("nan")), "'rho' = nan is not a finite",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     Row("rho 0", (TRAIN,), set_metric(p.RHO, 0.0), "rho = 0.0 must be a positive number",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     Row("a negative rho", (TRAIN,), set_metric(p.RHO, -0.5), "rho = -0.5 must be a positive number",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     # tau = 1 / rho^2 must be finite and positive: rho^2 may underflow to 0, or be so small that
     # 1 / rho^2 overflows, or so large that 1 / rho^2 is 0
     Row("a rho whose square is 0", (TRAIN,), set_metric(p.RHO, 1e-200), "finite, positive confidence",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     Row("a rho whose confidence overflows", (TRAIN,), set_metric(p.RHO, 1e-160), "finite, positive confidence",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     Row("a rho whose confidence is 0", (TRAIN,), set_metric(p.RHO, 1e200), "finite, positive confidence",
-        applies=lambda m: m.keeps_posteriors),
+        applies=lambda m: traits(m).posteriors),
     Row("no local accuracy", (TRAIN,), drop_metric(p.LOCAL_ACCURACY), "missing metric 'local-accuracy'",
-        applies=lambda m: m.evaluates_local_model),
+        applies=lambda m: traits(m).local_evaluation),
     Row("a local accuracy above 1", (TRAIN,), set_metric(p.LOCAL_ACCURACY, 1.5), "local accuracy 1.5 outside [0, 1]",
-        applies=lambda m: m.evaluates_local_model),
+        applies=lambda m: traits(m).local_evaluation),
     Row("a negative local accuracy", (TRAIN,), set_metric(p.LOCAL_ACCURACY, -0.1), "local accuracy -0.1 outside",
-        applies=lambda m: m.evaluates_local_model),
+        applies=lambda m: traits(m).local_evaluation),
     # --- the pre-flight answer
     Row("no num-partitions", (QUERY,), drop_metric("num-partitions"), "missing metric 'num-partitions'"),
     Row("num-partitions 0", (QUERY,), set_metric("num-partitions", 0), "num-partitions 0.0 is not an integer in"),
@@ -464,16 +466,17 @@ ACCEPTED: list[Row] = [
         ""),
     Row("class counts as floats", (TRAIN,), set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a.astype(np.float64)),
         "", applies=sends(p.CLASS_COUNTS)),
-    Row("a v below 0 by rounding only", (TRAIN,), set_metric(p.V, -1e-12), "", applies=lambda m: m.needs_statistics),
+    Row("a v below 0 by rounding only", (TRAIN,), set_metric(p.V, -1e-12), "", applies=lambda m: traits(m).statistics),
     # an h of zeros leaves the allowance at its floor: exactly -V_ROUNDING
     Row("a v at the rounding allowance", (TRAIN,),
         both(set_array(p.STATISTICS, p.H, np.zeros_like), set_metric(p.V, -V_ROUNDING)), "",
-        applies=lambda m: m.needs_statistics),
+        applies=lambda m: traits(m).statistics),
     Row("v 0: all of a class's features equal", (TRAIN,), set_metric(p.V, 0.0), "",
-        applies=lambda m: m.needs_statistics),
+        applies=lambda m: traits(m).statistics),
     Row("local accuracy 0", (TRAIN,), set_metric(p.LOCAL_ACCURACY, 0.0), "",
-        applies=lambda m: m.evaluates_local_model),
-    Row("local accuracy 1", (TRAIN,), set_metric(p.LOCAL_ACCURACY, 1.0), "", applies=lambda m: m.evaluates_local_model),
+        applies=lambda m: traits(m).local_evaluation),
+    Row("local accuracy 1", (TRAIN,), set_metric(p.LOCAL_ACCURACY, 1.0), "",
+        applies=lambda m: traits(m).local_evaluation),
     Row("the last partition", (QUERY,), set_metric(p.PARTITION_ID, 1), ""),
     Row("a federation of one", (QUERY,), set_metric("num-partitions", 1), ""),
     Row("the largest federation", (QUERY,), set_metric("num-partitions", MAX_PARTITIONS), ""),

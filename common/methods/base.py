@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 class Rule(str, Enum):
     """What the server does with one part of the model (extractor or head) after a round."""
@@ -69,8 +69,13 @@ def settings_of(method: type[Method] | Method) -> dict[str, dataclasses.Field]:
 
 @dataclass(frozen=True)
 class Method:
-    """One federated method, as the flags the server acts on; its package's ``client.py`` holds
-    what a client does. A subclass may add its own run-config knobs with :func:`setting`."""
+    """One federated method: its name, its variant's settings and what its server does with each
+    part of the model; its package's ``client.py`` and ``server.py`` hold what a client and the
+    server do. A subclass may add its own run-config knobs with :func:`setting`."""
+
+    # Whether the method's server draws the round's sample itself (pFedVEM's S_t), so that
+    # fraction-train must not sample on top of it.
+    draws_its_own_sample: ClassVar[bool] = False
 
     name: str
     extractor: Rule = Rule.AVERAGE
@@ -94,64 +99,6 @@ class Method:
         other methods' settings are ignored)."""
         changes = {f.name: values[key] for key, f in settings_of(self).items() if key in values}
         return dataclasses.replace(self, **changes) if changes else self
-
-    @property
-    def needs_statistics(self) -> bool:
-        """h_i, V_i (before training) for the collaboration QP: only when heads are mixed."""
-        return self.head is Rule.MIX
-
-    @property
-    def needs_centroids(self) -> bool:
-        """Alignment targets down (global centroids or the client's anchors) and local class
-        means up: only with feature alignment."""
-        return self.alignment is not Alignment.NONE
-
-    @property
-    def sends_balanced_head(self) -> bool:
-        """The balanced-batch head travels up beside the trained one: the clustering input."""
-        return self.head is Rule.CLUSTER
-
-    @property
-    def needs_initial_head(self) -> bool:
-        """The fixed initial head phi^0 travels down: the clustered routine's balanced head
-        starts from it every round."""
-        return self.head is Rule.CLUSTER
-
-    @property
-    def personal_heads(self) -> bool:
-        """Whether the server keeps a head per client (everything but an averaged head)."""
-        return self.head is not Rule.AVERAGE
-
-    @property
-    def keeps_posteriors(self) -> bool:
-        """The server keeps every client's posterior (mean as its head, and the scales s) by
-        partition-id, sends it down with the prior mean w and gets it back trained: the posterior
-        is client state that must outlive rounds, SuperNode restarts and a resumed server."""
-        return self.head is Rule.CONFIDENCE
-
-    @property
-    def keeps_global_head(self) -> bool:
-        """One head on the server besides any personal ones: FedAvg's average, pFedVEM's prior
-        mean w. It is checkpointed."""
-        return self.head in (Rule.AVERAGE, Rule.CONFIDENCE)
-
-    @property
-    def aggregates_a_sample(self) -> bool:
-        """The server draws the round's sample S_t itself (each client with probability r, at
-        least 2) and aggregates only S_t's replies; who *trains* is the protocol's choice
-        (every client, or S_t only). pFedVEM's (and pFedMe's) protocol."""
-        return self.head is Rule.CONFIDENCE
-
-    @property
-    def evaluates_local_model(self) -> bool:
-        """A training reply also carries the accuracy of the locally trained model before
-        aggregation (pFedVEM's own evaluation: the local base with the posterior mean)."""
-        return self.head is Rule.CONFIDENCE
-
-    @property
-    def sends_class_counts(self) -> bool:
-        """n_ik travel with any statistics: they weight centroids and define h_i's p_ik."""
-        return self.needs_statistics or self.needs_centroids
 
     @property
     def has_alpha(self) -> bool:

@@ -17,4 +17,5 @@ SAMPLE_PROTOCOLS = ("all-train", "sampled-train")
 class PFedVEM(Method):
     """pFedVEM: Gaussian heads, confidence-weighted prior mean, FedAvg base over S_t."""
 
+    draws_its_own_sample = True
     head: Rule = field(init=False, default=Rule.CONFIDENCE)

@@ -1,0 +1,37 @@
+"""What each method sends, keeps and measures, written out for the tests from the papers' methods
+(not read from the product, whose server parts the tests check against it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.methods.base import Method, Rule
+from common.methods.fedccfa import FedCCFA
+from common.methods.fedpac import FedPAC
+from common.methods.pfedvem import PFedVEM
+
+
+@dataclass(frozen=True)
+class Traits:
+    statistics: bool = False  # h_i and V_i for the collaboration QP (FedPAC's classifier collaboration)
+    centroids: bool = False  # alignment targets down, local class means up (FedPAC's alignment, FedCCFA)
+    class_counts: bool = False  # n_ik with any of the above
+    balanced_head: bool = False  # FedCCFA's clustering input
+    posteriors: bool = False  # pFedVEM: the posterior scales and rho_j up, the prior and scales down
+    local_evaluation: bool = False  # pFedVEM's own measure: the locally trained model's accuracy
+    global_head: bool = False  # one head on the server: FedAvg's average, pFedVEM's prior mean
+
+    @property
+    def sends_statistics(self) -> bool:
+        return self.class_counts or self.posteriors
+
+
+def traits(method: Method) -> Traits:
+    if isinstance(method, FedPAC):
+        return Traits(statistics=method.collaborate, centroids=method.align,
+                      class_counts=method.align or method.collaborate)
+    if isinstance(method, FedCCFA):
+        return Traits(centroids=True, class_counts=True, balanced_head=True)
+    if isinstance(method, PFedVEM):
+        return Traits(posteriors=True, local_evaluation=True, global_head=True)
+    return Traits(global_head=method.head is Rule.AVERAGE)  # the baselines, FedProx, Ditto
