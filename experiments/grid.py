@@ -77,8 +77,11 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     finished cells stay usable when the config grows. ``ignore`` leaves further fields out
     (``--extend`` compares cells of different lengths).
     """
-    # as JSON holds them (a stored config was read from it): the method settings' pairs are lists
+    # as JSON holds them (a stored config was read from it): the method settings' pairs are lists;
+    # none at all is what a config from before the methods had settings says too (Cell.identity)
     defaults, current = json.loads(json.dumps(asdict(FedPACConfig()))), json.loads(json.dumps(current))
+    stored, current = ({k: v for k, v in config.items() if not (k == "method_settings" and not v)}
+                       for config in (stored, current))
     skip = {*not_identity(current), *ignore}
     for key, value in current.items():
         if key in skip:

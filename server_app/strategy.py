@@ -41,7 +41,7 @@ from server_app.replies import (
     parse_train_reply,
     reply_source,
 )
-from server_app.checkpoint import Checkpoint
+from server_app.checkpoint import Checkpoint, CheckpointError
 from server_app.report import FinalDelivery, RoundRecord
 
 
@@ -194,6 +194,33 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
                       for section, parts in checkpoint.state.personal.items()},
         )
         self.round_offset = checkpoint.completed_rounds
+        problem = self._state_problem()
+        if problem:
+            raise CheckpointError(f"checkpoint is malformed ({problem}): it does not hold the state a "
+                                  f"'{self.server.method.name}' run keeps")
+
+    def _state_problem(self) -> str | None:
+        """What keeps the restored state from being the method's: a section it keeps missing, or
+        arrays that are not the model's (checked now, before any node is sent anything, rather
+        than as a KeyError in round 1 or a model every client refuses)."""
+        expected = self.server.initial_state()
+        for section, arrays in expected.shared.items():
+            found = self.state.shared.get(section)
+            if found is None:
+                return f"no section '{section}'"
+            if {k: v.shape for k, v in found.items()} != {k: v.shape for k, v in arrays.items()}:
+                return f"section '{section}' holds {sorted(found)} with other shapes than {sorted(arrays)}"
+        template = {k: v.shape for k, v in {**self.server.extractor_template, **self.server.head_template}.items()}
+        partitions = {pid for parts in self.state.personal.values() for pid in parts}
+        for pid in sorted(partitions | {None}, key=lambda pid: -1 if pid is None else pid):
+            try:
+                model = self.server.model_for(self.state, pid)
+                self.server.train_sections(self.state, pid)
+            except KeyError as err:
+                return f"partition {pid}: no {err}"
+            if {k: v.shape for k, v in model.items()} != template:
+                return f"partition {pid}: its model's arrays are not the model's"
+        return None
 
     # ------------------------------------------------------------------ sampling / messages
 

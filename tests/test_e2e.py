@@ -135,8 +135,8 @@ def test_outputs_are_complete(finished_run):
     assert all(int(row["bytes_sent"]) > 400_000 and int(row["bytes_received"]) > 400_000 for row in clients)
     assert {row["solver_status"] for row in clients} == {"optimal"}
     state = np.load(finished_run / "final_state.npz")
-    assert {f"client-{pid}/head.weight" for pid in range(10)} <= set(state.files)
-    assert state["centroid_mask"].all()
+    assert {f"client-{pid}/head/head.weight" for pid in range(10)} <= set(state.files)
+    assert state["centroids/mask"].all()
     config = json.loads((finished_run / "config.json").read_text())
     assert config["num_server_rounds"] == 4 and config["samples_per_client"] == 300
 
@@ -189,7 +189,8 @@ def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
     assert all(float(row["rho"]) > 0 for row in trained)
     assert (run_dir / "confidence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with np.load(run_dir / "final_state.npz") as state:
-        assert any("scale" in key for key in state.files)  # every client's posterior scales
+        # the clients' posterior scales (client-<pid>/scale/head.weight, ...)
+        assert any(key.startswith("client-") and "/scale/" in key for key in state.files)
 
 
 def test_simulate_sh_refuses_a_local_superlink_of_another_environment(tmp_path):

@@ -3,7 +3,7 @@
 The last round evaluates a sample of the sites; a deployed site saves the model it evaluates
 (``client_app.app``). After the loop the server sends the final model, in an evaluate message of
 the last round, to every bound site that evaluation did not reach, asking an offline site again
-until the round timeout (``FedPAC.deliver``). Runs go through the real ServerApp and ClientApp
+until the round timeout (``PersonalizedStrategy.deliver``). Runs go through the real ServerApp and ClientApp
 in process (``federation.InProcessGrid``), each node with a ``model-dir`` of its own.
 """
 
@@ -119,12 +119,13 @@ def _run(config: dict, tmp_path, **grid_options):
 
 def server_model(final: dict[str, np.ndarray], pid: int, cfg) -> FedPACNet:
     """The model the server's final state gives partition ``pid``: its own part where it keeps one
-    (``client-<pid>/...``), the global one otherwise."""
+    (``client-<pid>/<section>/...``), the global one otherwise (``<section>/...``)."""
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
     state = {}
     for key in model.state_dict():
-        shared = f"{key.split('.')[0]}/{key}"  # extractor/extractor.* or head/head.*
-        state[key] = torch.from_numpy(final.get(f"client-{pid}/{key}", final.get(shared)))
+        section = key.split(".")[0]  # extractor (extractor.*) or head (head.*)
+        shared = f"{section}/{key}"
+        state[key] = torch.from_numpy(final.get(f"client-{pid}/{section}/{key}", final.get(shared)))
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -206,7 +207,7 @@ def test_a_site_back_before_the_timeout_gets_its_model_and_one_never_back_is_nam
     assert len(warnings) == 1 and f"partitions [{NEVER}]" in warnings[0]
     # its head (trained in round 1, before it died) is in the final state, as is everyone's
     with np.load(run / "final_state.npz") as final:
-        assert {f"client-{pid}/head.weight" for pid in range(SITES)} <= set(final.files)
+        assert {f"client-{pid}/head/head.weight" for pid in range(SITES)} <= set(final.files)
     assert NEVER not in report.rounds[-1].train
 
 

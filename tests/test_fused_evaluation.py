@@ -75,15 +75,19 @@ def test_fused_evaluation_gives_the_numbers_of_an_evaluate_message_per_round(nam
         assert all(r.generalized for r in fused_report.rounds)
     for key, value in (separate.extractor or {}).items():
         np.testing.assert_array_equal(fused.extractor[key], value)
-    for pid, head in separate.heads.items():
-        for key, value in head.items():
-            np.testing.assert_array_equal(fused.heads[pid][key], value)
-    for pid, extractor in separate.local_extractors.items():
-        for key, value in extractor.items():
-            np.testing.assert_array_equal(fused.local_extractors[pid][key], value)
-    for pid, scale in separate.posterior_scales.items():
-        for key, value in scale.items():
-            np.testing.assert_array_equal(fused.posterior_scales[pid][key], value)
+    # the whole final state: the shared sections, and every client's own (personalized heads,
+    # Local-only's extractors, FedCCFA's anchors, pFedVEM's posterior scales)
+    assert sorted(fused.state.shared) == sorted(separate.state.shared)
+    for section, arrays in separate.state.shared.items():
+        assert sorted(fused.state.shared[section]) == sorted(arrays), section
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(fused.state.shared[section][key], value)
+    assert sorted(fused.state.personal) == sorted(separate.state.personal)
+    for section, parts in separate.state.personal.items():
+        assert sorted(fused.state.personal[section]) == sorted(parts), section
+        for pid, arrays in parts.items():
+            for key, value in arrays.items():
+                np.testing.assert_array_equal(fused.state.personal[section][pid][key], value)
 
 
 def test_with_sampling_every_round_keeps_its_evaluate_message(tmp_path, caplog):

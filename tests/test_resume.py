@@ -1,15 +1,19 @@
 """Checkpoints after every round; a crashed run resumes to the same final model."""
 
+import csv
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from common import protocol as p
 from common.config import ConfigError, parse_run_config
+from common.model import EMBEDDING_DIM
 from federation import InProcessGrid
 from server_app.app import run_fedpac
-from server_app.checkpoint import CheckpointError, load_checkpoint
+from server_app.checkpoint import FILE_NAME, CheckpointError, load_checkpoint
 
 BASE = {
     "samples-per-client": 60,
@@ -45,11 +49,13 @@ def test_resumed_run_gives_the_same_final_model_as_an_uninterrupted_one(tmp_path
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
     for key, value in full.extractor.items():
         np.testing.assert_array_equal(resumed.extractor[key], value)
-    assert sorted(resumed.heads) == sorted(full.heads)
-    for pid, head in full.heads.items():
+    full_heads, resumed_heads = full.state.personal["head"], resumed.state.personal["head"]
+    assert sorted(resumed_heads) == sorted(full_heads)
+    for pid, head in full_heads.items():
         for key, value in head.items():
-            np.testing.assert_array_equal(resumed.heads[pid][key], value)
-    np.testing.assert_array_equal(resumed.centroids, full.centroids)
+            np.testing.assert_array_equal(resumed_heads[pid][key], value)
+    np.testing.assert_array_equal(resumed.state.shared["centroids"][p.CENTROID_VALUES],
+                                  full.state.shared["centroids"][p.CENTROID_VALUES])
     assert (crashed_dir / "checkpoint.npz").exists()  # the earlier run's files are untouched
 
 
@@ -135,26 +141,173 @@ def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(run_dir)
 
 
-@pytest.mark.parametrize(
-    ("edit", "problem"),
-    [
-        (lambda arrays, meta: arrays.pop("centroids"), "KeyError: 'centroids'"),
-        (lambda arrays, meta: meta.pop("completed_rounds"), "KeyError: 'completed_rounds'"),
-        (lambda arrays, meta: meta.update(rounds=5), "TypeError"),
-        (lambda arrays, meta: arrays.update({"head/first/head.weight": np.zeros(2)}), "ValueError"),
-        (lambda arrays, meta: meta.update(rounds=[{"round": 1, "unknown": 2}]), "TypeError"),
-    ],
-)
-def test_a_checkpoint_with_missing_or_foreign_parts_is_a_clear_error(tmp_path, edit, problem):
+def _archive(run_dir: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """A checkpoint file's arrays and its meta record, as stored."""
+    with np.load(run_dir / FILE_NAME) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    return arrays, json.loads(str(arrays.pop("meta")))
+
+
+def _write_archive(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / FILE_NAME, meta=np.array(json.dumps(meta)), **arrays)
+    return directory
+
+
+# Format 2's personal sections, and the per-partition groups format 1 kept them in.
+_FORMAT_1_GROUPS = {"head": "head", "extractor": "client-extractor", "scale": "posterior-scale"}
+# The names of the centroids' and anchors' values and mask in format 1 (FedPAC's; FedCCFA's).
+_FORMAT_1_CENTROIDS = {p.CENTROID_VALUES: "centroids", p.CENTROID_MASK: "centroid_mask"}
+_FORMAT_1_ANCHORS = {p.CENTROID_VALUES: "values", p.CENTROID_MASK: "mask"}
+
+
+def format_1_arrays(arrays: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """A format-2 checkpoint's arrays and meta as format 1 wrote the same state: the global
+    extractor ``extractor/<k>``; the centroids and their mask ``centroids``, ``centroid_mask``
+    (every method had them, zeros where it keeps none); the shared head ``global-head/<k>``;
+    per partition ``head/<pid>/<k>``, ``client-extractor/<pid>/<k>``, ``anchors/<pid>/values``
+    and ``anchors/<pid>/mask``, ``posterior-scale/<pid>/<k>``."""
+    num_classes = meta["model_shape"][0]
+    old = {"centroids": np.zeros((num_classes, EMBEDDING_DIM), np.float32),
+           "centroid_mask": np.zeros(num_classes, bool)}
+    for name, value in arrays.items():
+        kind, _, rest = name.partition("/")
+        if kind == "shared":
+            section, key = rest.split("/", 1)
+            if section == "extractor":
+                old[f"extractor/{key}"] = value
+            elif section == "head":
+                old[f"global-head/{key}"] = value
+            elif section == "centroids":
+                old[_FORMAT_1_CENTROIDS[key]] = value
+            else:
+                raise AssertionError(f"no format-1 name for shared section {section!r} ({name})")
+        else:
+            assert kind == "personal", name
+            section, pid, key = rest.split("/", 2)
+            if section == "anchors":
+                old[f"anchors/{pid}/{_FORMAT_1_ANCHORS[key]}"] = value
+            elif section in _FORMAT_1_GROUPS:
+                old[f"{_FORMAT_1_GROUPS[section]}/{pid}/{key}"] = value
+            else:
+                raise AssertionError(f"no format-1 name for personal section {section!r} ({name})")
+    assert meta["format"] == 2
+    return old, {**meta, "format": 1}
+
+
+def as_format_1(run_dir: Path, directory: Path) -> Path:
+    """``run_dir``'s checkpoint rewritten in format 1, in ``directory``."""
+    return _write_archive(directory, *format_1_arrays(*_archive(run_dir)))
+
+
+# The format-1 groups each method's checkpoint holds (the converter's every branch is used).
+FORMAT_1_RUNS = {
+    "fedpac": ({}, {"extractor", "centroids", "centroid_mask", "head"}),  # BASE: a sample trains
+    "fedccfa": ({"strategy": "fedccfa", "fraction-train": 1.0, "balanced-epochs": 1},
+                {"extractor", "centroids", "centroid_mask", "head", "anchors"}),
+    "pfedvem": ({"strategy": "pfedvem", "fraction-train": 1.0, "vem-sampling-rate": 0.5},
+                {"extractor", "centroids", "centroid_mask", "global-head", "head", "posterior-scale"}),
+    "local": ({"strategy": "local"}, {"extractor", "centroids", "centroid_mask", "head", "client-extractor"}),
+    "fedavg": ({"strategy": "fedavg"}, {"extractor", "centroids", "centroid_mask", "global-head"}),
+}
+BYTES = ("bytes_sent", "bytes_received")
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_1_RUNS))
+def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
+    """Checkpoints written before the methods kept their state by section still continue their
+    run: every round after the checkpoint's, every rounds.csv column but the time, and the final
+    state are those of the uninterrupted run."""
+    extra, groups = FORMAT_1_RUNS[name]
+    config = {**BASE, **extra, "num-server-rounds": 3}
+    full, full_report = _run({**config, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
+    with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
+        _run({**config, "output-dir": str(tmp_path / "crashed")}, grid_seed=2, crash_at_round=3, run_id=2)
+    (crashed,) = (tmp_path / "crashed").iterdir()
+    k = load_checkpoint(crashed).completed_rounds
+    assert k == (1 if full.fused_evaluation else 2)  # fused: round 2's evaluation was to come in round 3
+
+    old = as_format_1(crashed, tmp_path / "format-1")
+    arrays, meta = _archive(old)
+    assert meta["format"] == 1 and {key.split("/")[0] for key in arrays} == groups
+    checkpoint = load_checkpoint(old)
+    assert checkpoint.completed_rounds == k and [r.round for r in checkpoint.rounds] == list(range(1, k + 1))
+
+    resumed, report = _run({**config, "output-dir": str(tmp_path / "resumed"), "resume-from": str(old)},
+                           grid_seed=3, run_id=3)
+    assert resumed.fused_evaluation == full.fused_evaluation
+    assert [r.round for r in report.rounds] == [1, 2, 3]
+    assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
+    assert [r.test_loss for r in report.rounds] == [r.test_loss for r in full_report.rounds]
+    (full_dir,) = (tmp_path / "full").iterdir()
+    (resumed_dir,) = (tmp_path / "resumed").iterdir()
+    full_rows = list(csv.DictReader((full_dir / "rounds.csv").open()))
+    resumed_rows = list(csv.DictReader((resumed_dir / "rounds.csv").open()))
+    assert [row["round"] for row in resumed_rows] == ["1", "2", "3"]
+    for row, expected in zip(resumed_rows, full_rows):
+        # the first round after a resume sends no evaluation of the round before (fused: it is in
+        # the checkpoint already), so its messages are smaller; every other number is the same
+        first_resumed = full.fused_evaluation and int(row["round"]) == k + 1
+        ignored = {"seconds", *(BYTES if first_resumed else ())}
+        assert {c: v for c, v in row.items() if c not in ignored} == \
+            {c: v for c, v in expected.items() if c not in ignored}, row["round"]
+    with np.load(full_dir / "final_state.npz") as a, np.load(resumed_dir / "final_state.npz") as b:
+        assert sorted(a.files) == sorted(b.files)
+        for key in a.files:
+            np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+def test_a_checkpoint_of_an_unknown_format_is_refused_before_any_training(tmp_path):
     _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
     (run_dir,) = (tmp_path / "a").iterdir()
-    with np.load(run_dir / "checkpoint.npz") as archive:
-        arrays = {name: archive[name] for name in archive.files}
-    meta = json.loads(str(arrays.pop("meta")))
+    arrays, meta = _archive(run_dir)
+    future = _write_archive(tmp_path / "future", arrays, {**meta, "format": 3})
+    with pytest.raises(CheckpointError, match=r"has format 3, expected one of 1, 2$"):
+        load_checkpoint(future)
+    config = {**BASE, "num-server-rounds": 2, "output-dir": str(tmp_path / "b"), "resume-from": str(future)}
+    grid = InProcessGrid(config, 6, seed=1)
+    with pytest.raises(CheckpointError, match="has format 3, expected one of 1, 2"):
+        run_fedpac(grid, parse_run_config(config), 2)
+    assert not grid.sent
+
+
+@pytest.mark.parametrize(
+    ("version", "edit", "problem"),
+    [
+        (1, lambda arrays, meta: arrays.pop("centroids"), "KeyError: 'centroids'"),
+        (1, lambda arrays, meta: arrays.update({"head/first/head.weight": np.zeros(2)}), "ValueError"),
+        (2, lambda arrays, meta: meta.pop("completed_rounds"), "KeyError: 'completed_rounds'"),
+        (2, lambda arrays, meta: meta.update(rounds=5), "TypeError"),
+        (2, lambda arrays, meta: arrays.update({"personal/head/first/head.weight": np.zeros(2)}), "ValueError"),
+        (2, lambda arrays, meta: arrays.update({"head/0/head.weight": np.zeros(2)}), "ValueError"),
+        (2, lambda arrays, meta: meta.update(rounds=[{"round": 1, "unknown": 2}]), "TypeError"),
+    ],
+)
+def test_a_checkpoint_with_missing_or_foreign_parts_is_a_clear_error(tmp_path, version, edit, problem):
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    arrays, meta = _archive(run_dir)
+    if version == 1:
+        arrays, meta = format_1_arrays(arrays, meta)
     edit(arrays, meta)
-    np.savez(run_dir / "checkpoint.npz", meta=np.array(json.dumps(meta)), **arrays)
+    _write_archive(run_dir, arrays, meta)
     with pytest.raises(CheckpointError, match=f"is malformed \\({re.escape(problem)}"):
         load_checkpoint(run_dir)
+
+
+def test_a_checkpoint_without_a_section_its_method_keeps_is_a_clear_error_before_any_training(tmp_path):
+    """Format 2's counterpart of format 1's missing ``centroids``: FedPAC's checkpoint without its
+    centroids section."""
+    _run({**BASE, "num-server-rounds": 1, "output-dir": str(tmp_path / "a")}, grid_seed=1)
+    (run_dir,) = (tmp_path / "a").iterdir()
+    arrays, meta = _archive(run_dir)
+    del arrays[f"shared/centroids/{p.CENTROID_VALUES}"]
+    _write_archive(run_dir, arrays, meta)
+    config = {**BASE, "num-server-rounds": 2, "output-dir": str(tmp_path / "b"), "resume-from": str(run_dir)}
+    grid = InProcessGrid(config, 6, seed=1)
+    with pytest.raises(CheckpointError, match=r"is malformed \(.*centroids"):
+        run_fedpac(grid, parse_run_config(config), 2)
+    assert not any(m.metadata.message_type == "train" for m in grid.sent)
 
 
 def test_a_run_continues_another_drifts_rounds_while_no_label_has_changed(tmp_path):
@@ -172,9 +325,9 @@ def test_a_run_continues_another_drifts_rounds_while_no_label_has_changed(tmp_pa
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
     for key, value in full.extractor.items():
         np.testing.assert_array_equal(continued.extractor[key], value)
-    for pid, head in full.heads.items():
+    for pid, head in full.state.personal["head"].items():
         for key, value in head.items():
-            np.testing.assert_array_equal(continued.heads[pid][key], value)
+            np.testing.assert_array_equal(continued.state.personal["head"][pid][key], value)
 
     # one round further, the sudden run's labels have changed: not the recurrent run's rounds
     _run({**sudden, "num-server-rounds": 4, "output-dir": str(tmp_path / "later")}, grid_seed=2, run_id=4)
@@ -188,6 +341,7 @@ def test_a_resumed_run_that_stops_before_its_first_round_points_at_the_checkpoin
     and the logged command name the checkpoint it resumed from, which still holds its last state."""
     from common.model import split_state
     from server_app.app import initial_model, model_shape
+    from common.methods.server import ServerState
     from server_app.checkpoint import Checkpoint, save_checkpoint
 
     config = {**BASE, "output-dir": str(tmp_path / "out")}
@@ -195,10 +349,11 @@ def test_a_resumed_run_that_stops_before_its_first_round_points_at_the_checkpoin
     extractor, _ = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
     old = tmp_path / "old"
     old.mkdir()
-    save_checkpoint(Checkpoint(completed_rounds=2, extractor=extractor,
-                               centroids=np.zeros((cfg.num_classes, 128), np.float32),
-                               centroid_mask=np.zeros(cfg.num_classes, bool), heads={}, rounds=[],
-                               model_shape=model_shape(cfg), seed=cfg.seed), old)
+    state = ServerState(shared={"extractor": extractor, "centroids": {
+        p.CENTROID_VALUES: np.zeros((cfg.num_classes, 128), np.float32),
+        p.CENTROID_MASK: np.zeros(cfg.num_classes, bool)}})
+    save_checkpoint(Checkpoint(completed_rounds=2, state=state, rounds=[], model_shape=model_shape(cfg),
+                               seed=cfg.seed), old)
 
     class UnreachableGrid:
         def get_node_ids(self):

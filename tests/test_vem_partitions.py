@@ -208,7 +208,8 @@ def test_a_pfedvem_run_on_the_partition(partition, outputs, tmp_path):
         "generalized-every": 1,
     }
     strategy, report = run_fedpac(InProcessGrid(config, 4, seed=1), parse_run_config(config), 1)
-    assert all(head["head.weight"].shape == (outputs, 128) for head in strategy.heads.values())
+    heads = strategy.state.personal["head"]  # every client's posterior mean
+    assert heads and all(head["head.weight"].shape == (outputs, 128) for head in heads.values())
     last = report.rounds[-1]
     assert sorted(last.accuracy) == sorted(last.generalized) == [0, 1, 2, 3]
     assert all(0.0 <= a <= 1.0 for a in [*last.accuracy.values(), *last.generalized.values()])
