@@ -193,6 +193,32 @@ def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
         assert any(key.startswith("client-") and "/scale/" in key for key in state.files)
 
 
+@pytest.mark.parametrize("method,own_metric", [("fedprox", None), ("ditto", "personal-loss")])
+def test_fedprox_and_ditto_through_flwr_run(flower_env, tmp_path, method, own_metric):
+    """The methods added as one package and one registry line run through `flwr run .` with their
+    own knob set on the command line; Ditto's sites report their personal model's loss every
+    round (the model they keep in the SuperNode's state and evaluate)."""
+    knob = "prox-mu=0.1" if method == "fedprox" else "ditto-lambda=0.5"
+    run_id, status = flwr_run(
+        flower_env,
+        f"strategy='{method}' {knob} num-server-rounds=2 samples-per-client=200 test-samples-per-client=50 "
+        f"local-epochs=1 output-dir='{tmp_path}'",
+        num_supernodes=3,
+    )
+    assert status == "finished:completed", run_log(flower_env, run_id)[-5000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["strategy"] == method and len(config["method_settings"]) == 1
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    rounds = metrics["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for record in rounds:
+        assert sorted(map(int, record["accuracy"])) == [0, 1, 2]
+        assert all(0.0 <= a <= 1.0 for a in record["accuracy"].values())
+        if own_metric:
+            assert all(own_metric in m for m in record["train"].values()), record["train"]
+
+
 def test_simulate_sh_refuses_a_local_superlink_of_another_environment(tmp_path):
     """`make run` (deploy/simulate.sh) does not hand its run to a local SuperLink that another
     checkout or user started: that one would run the app with its own interpreter, as its own
