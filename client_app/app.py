@@ -226,7 +226,7 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
     """A deployed site (node config ``model-dir``) keeps the model it just evaluated, its
     personalized model, after the last round and every ``save-model-every`` rounds. A site the
     last round's evaluation did not reach is sent that round's model after the loop, in an
-    evaluate message like any other, so it saves it here too (``FedPAC.deliver``)."""
+    evaluate message like any other, so it saves it here too (``PersonalizedStrategy.deliver``)."""
     model_dir = str(context.node_config.get("model-dir", ""))
     every = cfg.save_model_every
     if model_dir and (server_round == cfg.num_server_rounds or (every and server_round % every == 0)):

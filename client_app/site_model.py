@@ -4,7 +4,7 @@ After the last round (and every ``save-model-every`` rounds) each deployed Super
 model it was just evaluated with, the global extractor with its own combined head (FedPAC), into
 the folder its node config names as ``model-dir``. Every site gets the last round's model, whatever
 ``fraction-evaluate`` is: the server sends it, in an evaluate message of the last round, to each
-site that round's evaluation did not reach (``FedPAC.deliver``; a site offline then is asked again
+site that round's evaluation did not reach (``PersonalizedStrategy.deliver``; a site offline then is asked again
 until the round timeout, and the run's status.json lists under ``delivery`` who got it and who not):
 
 * ``model.pt``: the PyTorch state dict (``torch.load`` gives it back; ``extractor.*`` and
