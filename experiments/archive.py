@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.files import is_write_in_progress
-from experiments.summary import RunOutputs, read_run
+from experiments.runs import RunOutputs, read_run
 
 # Written by the ServerApp; only a run that may still be continued needs them.
 RESUME_FILES = frozenset({"checkpoint.npz", "final_state.npz"})
@@ -45,7 +45,7 @@ class Archived:
 
 def runs_to_keep(cell: Path) -> list[RunOutputs]:
     """The cell's newest run (its history) and, when that one is not it, the run the runner
-    would resume from (a newer run that stalled is not continued: ``summary.resume_point``);
+    would resume from (a newer run that stalled is not continued: ``runs.resume_point``);
     a stopped run older than a finished one is continued by nothing."""
     runs = sorted((r for r in map(read_run, (d for d in cell.iterdir() if d.is_dir())) if r is not None),
                   key=lambda run: run.written)

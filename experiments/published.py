@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.grid import Experiment, GridError, Overrides, load_grid, parse_seeds
-from experiments.summary import Results, RunOutputs, write_report
+from experiments.runs import Results, RunOutputs
+from experiments.summary import write_report
 
 
 def _value(text: str) -> float | None:

@@ -39,16 +39,8 @@ from common.methods import METHODS
 from experiments.grid import (
     Cell, Experiment, GridError, Overrides, load_grid, parse_assignment, parse_seeds, same_computation
 )
-from experiments.summary import (
-    RunOutputs,
-    Results,
-    finished_run,
-    read_run,
-    resumable_run,
-    resume_point,
-    seconds_left,
-    write_report,
-)
+from experiments.runs import Results, RunOutputs, finished_run, read_run, resumable_run, resume_point
+from experiments.summary import seconds_left, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

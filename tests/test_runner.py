@@ -25,7 +25,7 @@ from common.config import parse_run_config
 from experiments.archive import archive_grid
 from experiments.grid import Cell, GridError, Overrides, load_grid, parse_assignment
 from experiments.runner import cell_directory, main, plan, results_of
-from experiments.summary import finished_run, resumable_run
+from experiments.runs import finished_run, resumable_run
 
 TINY = """
 rounds = 2
@@ -446,7 +446,8 @@ def test_a_selection_that_would_miscount_or_select_nothing_fails_and_leaves_the_
 
 
 def test_seeds_are_averaged_round_by_round_when_one_missed_an_evaluation(tmp_path):
-    from experiments.summary import RunOutputs, seed_curves
+    from experiments.runs import RunOutputs
+    from experiments.summary import seed_curves
 
     grid = _grid(tmp_path)
     (experiment,) = load_grid(grid, Overrides(seeds=[0, 1], rounds=3))
@@ -712,7 +713,8 @@ def test_a_real_grid_resumes_without_redoing_finished_cells(tmp_path, capsys):
 
 
 def test_the_report_says_what_the_grid_computed_and_what_is_left(tmp_path):
-    from experiments.summary import RunOutputs, compute_line
+    from experiments.runs import RunOutputs
+    from experiments.summary import compute_line
 
     (experiment,) = load_grid(_grid(tmp_path), Overrides(seeds=[0, 1]))  # 2 methods x 2 seeds
     run = RunOutputs(tmp_path, {}, [{"round": 1, "seconds": 20.0}, {"round": 2, "seconds": 40.0}], 0.0)
