@@ -38,7 +38,7 @@ ArrayRecord, its Array and the Array's chunk, the config or metrics records), ea
 authenticated request on every hop of a deployment. :func:`seal` serializes a message's records
 into one ConfigRecord, ``envelope``: 3 objects (message, RecordDict, envelope). A content larger
 than one of Flower's array chunks stays as it is, so Flower's chunking still bounds every request.
-A deployed ServerApp seals what it sends (``server_app.grid``), the ClientApp opens it and seals
+A deployed ServerApp seals what it sends (``server_app.responsive_grid``), the ClientApp opens it and seals
 its reply (``client_app.app``); both sides see the records above. The simulation moves messages
 in one process and does not seal.
 """

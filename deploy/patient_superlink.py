@@ -13,7 +13,7 @@ Both of its poll-based APIs answer by long polling (``deploy/long_poll.py``), wa
 a SuperNode's ``PullMessages`` until the ServerApp stores a message (an idle federation costs
 one pull per node every 2 s, and a message goes out as soon as it is stored), and the
 ServerApp's ``PullMessages`` until a SuperNode stores a reply (the ServerApp polls for replies
-every 0.1 s, ``server_app/grid.py``; each poll of the HTTP API costs the SuperLink about as
+every 0.1 s, ``server_app/responsive_grid.py``; each poll of the HTTP API costs the SuperLink about as
 much CPU as a client's whole message). Both ``PullObject``s (a SuperNode's, for a message's
 objects; the ServerApp's, for a reply's) wait up to ``FEDPAC_SUPERLINK_OBJECT_WAIT`` seconds
 (default 2; 0: off) for an object that is announced but not yet pushed, instead of answering

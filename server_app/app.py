@@ -23,7 +23,7 @@ from common.model import FedPACNet, split_state
 from common.partition import dominant_class_groups
 from common.sites import PartitionMap, SiteRegistry
 from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
-from server_app.grid import ResponsiveGrid, is_simulation
+from server_app.responsive_grid import ResponsiveGrid, is_simulation
 from common.files import atomic_write, npz_bytes
 from server_app.report import FinalDelivery, RoundRecord, RunReport
 from server_app.strategy import PersonalizedStrategy

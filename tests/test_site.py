@@ -30,7 +30,7 @@ from common.config import ConfigError, parse_run_config
 from common.data import DATASET_NORMALIZATION, DataError, load_embedded_mnist, normalization, run_normalization
 from common import protocol
 from common.model import FedPACNet
-from server_app.grid import ResponsiveGrid
+from server_app.responsive_grid import ResponsiveGrid
 from tests.deployment import ROOT, process_gone
 
 sys.path.insert(0, str(ROOT / "deploy"))
