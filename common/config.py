@@ -400,9 +400,13 @@ def parse_run_config(run_config: Mapping[str, Any]) -> FedPACConfig:
 def method_settings() -> dict[str, Any]:
     """Every method's own run-config knobs, by key (each declared once, by its method's class)."""
     keys: dict[str, Any] = {}
+    owners: dict[str, type] = {}
     for method in METHODS.values():
         for key, field in settings_of(method).items():
-            keys.setdefault(key, field)
+            if owners.setdefault(key, type(method)) is not type(method):
+                raise ValueError(f"run-config key '{key}' is declared by both {owners[key].__name__} and "
+                                 f"{type(method).__name__}")
+            keys[key] = field
     return keys
 
 

@@ -135,3 +135,15 @@ def test_the_settings_come_from_the_run_config_and_are_checked():
     with pytest.raises(ConfigError, match="wrong type"):
         parse_run_config({"ditto-lambda": "1"})
 
+
+
+def test_two_methods_cannot_declare_the_same_knob(monkeypatch):
+    import common.config  # pylint: disable=import-outside-toplevel
+
+    @dataclasses.dataclass(frozen=True)
+    class Other(Ditto):
+        pass
+
+    monkeypatch.setattr(common.config, "METHODS", {"ditto": Ditto("ditto"), "other": Other("other")})
+    with pytest.raises(ValueError, match="'ditto-lambda' is declared by both Ditto and Other"):
+        common.config.method_settings()

@@ -169,10 +169,19 @@ class ServerPart:
         return arrays
 
 
+def weighted_class_counts(updates: list[Update], weights: np.ndarray) -> np.ndarray:
+    """The replies' class counts n_ik (``parsed["class_counts"]``), each client's scaled by its
+    sample weight over its n_i: a client whose weight was capped counts for that much less in the
+    class-count-weighted means too."""
+    counts = np.stack([u.parsed["class_counts"] for u in updates])
+    return counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
+
+
 def server_part(method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> ServerPart:
     """The server part of ``method``: ``Server`` in ``server.py`` next to its class's module."""
     module = importlib.import_module(f"{type(method).__module__}.server")
     return module.Server(method, cfg, extractor, head)
 
 
-__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update", "server_part"]
+__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update", "server_part",
+           "weighted_class_counts"]

@@ -16,7 +16,7 @@ from common.aggregation import Clustering, clustered_heads
 from common.averaging import weighted_average
 from common.config import FedPACConfig
 from common.methods.fedccfa import FedCCFA
-from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
+from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.validation import class_counts, finite_as
 
 ANCHORS = "anchors"  # the state's section: each client's cluster anchors (K, d) and their mask (K,)
@@ -70,9 +70,7 @@ class Server(ServerPart):
         return dataclasses.replace(update, parsed=parsed)
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
-        # a capped client's class counts shrink with its weight
-        counts = np.stack([u.parsed["class_counts"] for u in updates])
-        counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
+        counts = weighted_class_counts(updates, weights)
         state.shared[EXTRACTOR] = weighted_average([u.extractor for u in updates], weights)
         # the local class means are FedCCFA's local anchors a_k
         heads, clusters = clustered_heads([u.head for u in updates], [u.parsed["balanced_head"] for u in updates],

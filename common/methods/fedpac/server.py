@@ -17,7 +17,7 @@ from common.averaging import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import FedPACConfig
 from common.methods.fedpac import FedPAC
-from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
+from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.simplex_qp import FAR_DIAGONAL
 from common.validation import class_counts, finite_as, metric, variance_metric
 
@@ -88,14 +88,10 @@ class Server(ServerPart):
         """Eq. 19, the collaboration QPs, eq. 18 and the head mixing, over ``updates`` in
         partition order (row i of alpha, h_i, V_i, n_i and head i all belong to the same client)."""
         result = StepResult()
-        counts = None
-        if self.method.align or self.method.collaborate:  # a capped client's class counts shrink with its weight
-            counts = np.stack([u.parsed["class_counts"] for u in updates])
-            counts = counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
         if self.method.align:
-            assert counts is not None
             previous = state.shared[CENTROIDS]
-            centroids, mask = aggregate_centroids(np.stack([u.parsed["centroids"] for u in updates]), counts,
+            centroids, mask = aggregate_centroids(np.stack([u.parsed["centroids"] for u in updates]),
+                                                  weighted_class_counts(updates, weights),
                                                   previous[p.CENTROID_VALUES], previous[p.CENTROID_MASK])
             # alignment targets that are not all finite are not kept: every client would align to
             # them next round. Reply validation lets none through; this is the second guard,
