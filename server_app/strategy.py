@@ -8,9 +8,10 @@ server step; ``configure_evaluate`` sends every node its new model. After the la
 of that round reached, so every site ends the run with its personalized model.
 
 What a method does (``common/methods/<family>/server.py``, a ``ServerPart``) and what it keeps
-(a ``ServerState``: arrays by section, global or by partition-id) are its own; discovery,
-sampling, reply framing and validation, the partition-id bookkeeping, failed rounds, the round
-records and the checkpoints are shared here, and name no method.
+(a ``ServerState``: arrays by section, global or by partition-id) are its own; sampling, reply
+framing and validation, the partition-id bookkeeping, failed rounds, the round records and the
+checkpoints are shared here, and name no method; which node serves which partition (the
+pre-flight, the binding) is ``server_app.federation``'s.
 """
 
 from __future__ import annotations
@@ -28,26 +29,21 @@ from flwr.supercore import log
 from common import protocol as p
 from common.averaging import capped_sample_weights
 from common.methods.server import EXTRACTOR, ServerPart, ServerState
-from common.sites import Identity, SiteRegistry, fingerprint
+from common.sites import SiteRegistry
+from server_app import federation
+from server_app.federation import SiteBinding
 from server_app.replies import (
     ClientEvaluation,
-    ClientInfo,
     ClientUpdate,
     InvalidReply,
     destinations,
     node_unavailable,
     parse_evaluate_reply,
-    parse_query_reply,
     parse_train_reply,
     reply_source,
 )
 from server_app.checkpoint import Checkpoint, CheckpointError
 from server_app.report import FinalDelivery, RoundRecord
-
-
-# Seconds before the pre-flight asks a silent node again (a first message may import torch and
-# load a dataset: minutes on a crowded host, but not ten).
-DISCOVERY_ATTEMPT = 120.0
 
 
 # Seconds between two looks for a site that the final delivery has not reached (offline).
@@ -58,13 +54,7 @@ class FederationStalled(RuntimeError):
     """Too many rounds in a row without enough valid replies: the run stops."""
 
 
-def _most_common(values: list[int]) -> int:
-    """The value most of ``values`` share (the larger one on a tie, so the choice does not
-    depend on the order replies arrived in)."""
-    return max(set(values), key=lambda v: (values.count(v), v))
-
-
-class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attributes
+class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-instance-attributes
     """A personalized-FL method (its ``ServerPart``) on Flower's Message API.
 
     Parameters
@@ -122,6 +112,7 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
         sites: SiteRegistry | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
     ) -> None:
+        SiteBinding.__init__(self, sites, min_available_nodes, max_samples_per_client)
         self.server = server
         self.state: ServerState = server.initial_state()
         self.num_rounds = num_rounds
@@ -131,17 +122,12 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
         self.fused_evaluation = fused_evaluation and self.trains_every_client and fraction_evaluate >= 1.0
         self.fused_evaluation_requested = fused_evaluation
         self.full_last_round = full_last_round
-        self.min_available_nodes = min_available_nodes
         self.min_train_replies = min_train_replies
         self.max_failed_rounds = max_failed_rounds
         self.failed_rounds = 0  # consecutive rounds without enough valid replies
-        self.max_samples_per_client = max_samples_per_client
         self.max_weight_ratio = max_weight_ratio
         self.seed = seed
         self.on_round_end = on_round_end
-        self.sites = sites or SiteRegistry(trusted_claims=True)
-        self.num_partitions: int | None = None  # as the clients report it at discovery
-        self.discovery_timeout: float | None = None  # set once discover() has run
         # Rounds finished before this strategy started (a resumed run): Flower's loop counts
         # from 1, sampling and seeds use the run's absolute round number.
         self.round_offset = 0
@@ -158,11 +144,6 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
         # The last round's valid evaluations, by partition-id: those sites evaluated, and so saved,
         # the final model; the final delivery skips them.
         self.final_accuracy: dict[int, float] = {}
-
-    @property
-    def node_partition(self) -> dict[int, int]:
-        """The nodes bound to a partition, and their partition-ids."""
-        return self.sites.node_partition
 
     @property
     def extractor(self) -> p.NDArrays:
@@ -224,184 +205,6 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
 
     # ------------------------------------------------------------------ sampling / messages
 
-    def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        """The connected nodes that are not refused, once ``min_available_nodes`` of them are.
-
-        A node that died may never come back: after one round timeout the round goes on with
-        the nodes that are there, and its minimum of replies decides whether it counts.
-        """
-        started = time.monotonic()
-        patience = self.discovery_timeout if self.discovery_timeout is not None else float("inf")
-        while len(nodes := self._candidates(grid)) < self.min_available_nodes:
-            waited = time.monotonic() - started
-            if waited >= patience:
-                log(WARNING, "only %d of the %d required nodes connected after %.0fs: going on with them",
-                    len(nodes), self.min_available_nodes, waited)
-                break
-            if int(waited) % 10 == 0:
-                log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
-            time.sleep(1)
-        # Ordered by partition-id where known: node ids are random per run, partition-ids are
-        # not, so the same seed samples the same clients in every run (and after a resume).
-        return sorted(nodes, key=lambda n: (n not in self.node_partition, self.node_partition.get(n, 0), n))
-
-    def _candidates(self, grid: Grid) -> list[int]:
-        """The connected nodes, less those refused for the whole run."""
-        refused = self.sites.refused
-        return [n for n in grid.get_node_ids() if n not in refused or not refused[n].final]
-
-    def _bound_nodes(self, grid: Grid) -> list[int]:
-        """The connected nodes bound to a partition (the only ones ever sent a model), in
-        partition order."""
-        return [n for n in self._wait_for_nodes(grid) if n in self.node_partition]
-
-    def _identities(self, grid: Grid) -> dict[int, Identity]:
-        """What the SuperLink vouches for about each connected node (nothing when claims are
-        believed: the simulation's nodes have neither names nor keys)."""
-        if self.sites.trusted_claims:
-            return {}
-        return {node.node_id: Identity(node.name, fingerprint(node.public_key)) for node in grid.get_nodes()}
-
-    def _refuse(self, node_id: int, reason: str) -> None:
-        log(WARNING, "Refused node %d: %s. It is sent nothing.", node_id, reason)
-
-    def discover(self, grid: Grid, timeout: float, strict: bool = True) -> dict[int, int]:
-        """Bind connected nodes of unknown partition to one: screen each by its registered
-        identity (``common.sites``), then ask the others for their partition (a query message).
-
-        Before round 1 (``strict``): every node is screened and asked, and a client that cannot
-        load its data becomes a clear error before any training; a node that is refused (its
-        identity serves no partition, or another than it claims) is logged and left out, and
-        the pre-flight waits for ``min_available_nodes`` nodes that are not refused. During
-        the run: a node that joined late or restarted is bound before it is sent anything, so
-        it gets its own personalized head back; problems are only logged.
-        """
-        self.discovery_timeout = timeout
-        while True:
-            screened, identities, refused = self._screen(grid)
-            nodes = [n for n in screened if n not in self.node_partition]
-            if not nodes:
-                if strict and refused:  # the refused counted towards min_available_nodes
-                    continue
-                return dict(self.node_partition)
-            replies, gone = self._query(grid, nodes, timeout)
-            problems, refused_answers = self._bind_answers(grid, replies, identities, strict)
-            refused = refused or refused_answers
-            for node in gone:  # not a client problem: the federation goes on with the nodes it has
-                log(WARNING, "discovery: node %d went offline before it answered; left out", node)
-            missing = len(nodes) - len(replies) - len(gone)
-            if missing:
-                problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
-            if problems and strict:
-                raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
-            for problem in problems:
-                log(WARNING, "discovery: %s", problem)
-            # a refused node counted towards min_available_nodes: wait for the ones that remain
-            if not (strict and refused):
-                return dict(self.node_partition)
-
-    def _screen(self, grid: Grid) -> tuple[list[int], dict[int, Identity], bool]:
-        """The connected nodes whose identity may serve a partition, the identities read, and
-        whether a node was refused: the others are refused here, before they are sent anything
-        at all (the query included)."""
-        nodes = self._wait_for_nodes(grid)
-        identities = self._identities(grid)
-        kept, refused = [], False
-        for node in nodes:
-            if node not in self.node_partition and not self.sites.trusted_claims:
-                if node not in identities:  # connected after the list was read: next time
-                    continue
-                refusal = self.sites.screen(node, identities[node], self.num_partitions)
-                if refusal is not None:
-                    self._refuse(node, refusal.reason)
-                    refused = True
-                    continue
-            kept.append(node)
-        return kept, identities, refused
-
-    def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], identities: dict[int, Identity],
-                      strict: bool) -> tuple[list[str], bool]:
-        """Bind each answering node to the partition it claims, where its identity (as
-        :meth:`_screen` read it) agrees; returns the problems (misconfigured clients) and
-        whether a node was refused."""
-        problems: list[str] = []
-        answers: list[tuple[int, ClientInfo]] = []
-        for node, reply in replies:
-            try:
-                answers.append((node, parse_query_reply(reply, self.max_samples_per_client)))
-            except InvalidReply as err:
-                problems.append(f"node {node}: {err}")
-        if self.num_partitions is None and answers:
-            # Every node partitions the same dataset into the same J parts; the most common
-            # answer among the nodes whose identity backs their claim is the federation's, a
-            # node that disagrees is misconfigured.
-            backed = [info.num_partitions for node, info in answers
-                      if self.sites.backs(identities.get(node), info.partition_id)]
-            if backed:
-                self.num_partitions = _most_common(backed)
-        connected = set(grid.get_node_ids())
-        refused = False
-        for node, info in sorted(answers):
-            identity = identities.get(node, Identity())  # every asked node's, unless claims are believed
-            # screened again: the federation's size may only now be known. Who a node is comes
-            # first: an answer its identity does not back is refused, and nothing else in it
-            # (its num-partitions) can stop the pre-flight
-            refusal = self.sites.screen(node, identity, self.num_partitions)
-            if refusal is None and self.sites.backs(identity, info.partition_id):
-                if info.num_partitions != self.num_partitions:
-                    problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
-                                    f"is {self.num_partitions}")
-                    continue
-            refusal = refusal or self.sites.bind(node, info.partition_id, identity, connected)
-            if refusal is not None:
-                if self.sites.trusted_claims and strict:  # no identity to tell who is right: stop
-                    problems.append(f"node {node}: {refusal.reason}")
-                else:
-                    self._refuse(node, refusal.reason)
-                refused = True
-                continue
-            log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, info.partition_id,
-                info.num_partitions, info.num_examples, info.test_examples)
-        return problems, refused
-
-    @staticmethod
-    def _query(grid: Grid, nodes: list[int], timeout: float) -> tuple[list[tuple[int, Message]], list[int]]:
-        """(node, query reply) of ``nodes`` within ``timeout`` seconds, and the nodes that went
-        offline before answering. A node that has not answered is asked again every
-        DISCOVERY_ATTEMPT seconds (a SuperNode whose pull of the message failed, on an
-        overloaded SuperLink, drops it and would otherwise be waited for until the timeout);
-        one the SuperLink reported offline is asked again as soon as it is back (a restarted
-        SuperNode), and left out if it is not connected when asked."""
-        deadline = time.monotonic() + timeout
-        replies: list[tuple[int, Message]] = []
-        pending, gone = list(nodes), []
-        while pending:
-            messages = [Message(content=RecordDict({p.CONFIG: ConfigRecord({p.SERVER_ROUND: 0})}),
-                                message_type=MessageType.QUERY, dst_node_id=node) for node in pending]
-            attempt_started = time.monotonic()
-            wait = min(DISCOVERY_ATTEMPT, deadline - attempt_started)
-            arrived = list(grid.send_and_receive(messages, timeout=wait))
-            sent = destinations(messages)
-            offline = {reply_source(reply, sent) for reply in arrived if node_unavailable(reply)}
-            replies.extend((reply_source(reply, sent), reply) for reply in arrived if not node_unavailable(reply))
-            answered = {node for node, _ in replies}
-            pending = [node for node in pending if node not in answered]
-            if not pending or time.monotonic() >= deadline:
-                break
-            # A push the SuperLink refuses returns at once: never ask faster than once an attempt,
-            # unless every node still to answer was offline and is connected again.
-            while (remaining := wait - (time.monotonic() - attempt_started)) > 0:
-                if set(pending) <= offline and offline <= set(grid.get_node_ids()):
-                    break
-                time.sleep(min(1.0, remaining))
-            connected = set(grid.get_node_ids())
-            gone += [node for node in pending if node not in connected]
-            pending = [node for node in pending if node in connected]
-            if pending:
-                log(WARNING, "discovery: %d node(s) did not answer within %.0fs; asking them again",
-                    len(pending), wait)
-        return replies, gone
-
     def _sample(self, nodes: list[int], fraction: float, server_round: int, full: bool) -> list[int]:
         """``fraction`` of ``nodes`` (all of them when ``full``), seeded by (seed, round)."""
         if full or not nodes:  # no node at all: a round without replies, counted as failed
@@ -441,7 +244,7 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
         full = self.full_last_round and server_round == self.num_rounds
         # bind the nodes that joined since (or all of them, without a pre-flight): a node is sent
         # a model only once it is bound to its partition
-        self.discover(grid, self.discovery_timeout or DISCOVERY_ATTEMPT, strict=False)
+        self.discover(grid, self.discovery_timeout or federation.DISCOVERY_ATTEMPT, strict=False)
         node_ids = self._trainers(grid, server_round, full)
         log(INFO, "configure_train: %d nodes%s", len(node_ids), " (all: last round)" if full else "")
         self._record = RoundRecord(round=server_round, started=time.time())
@@ -661,7 +464,7 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
             self._bind_newcomers(grid, deadline, asked)
             nodes = self._nodes_of(grid, pending - failed)
             if nodes:
-                wait = max(0.0, min(DISCOVERY_ATTEMPT, deadline - time.monotonic()))
+                wait = max(0.0, min(federation.DISCOVERY_ATTEMPT, deadline - time.monotonic()))
                 delivered, answered = self._send_final_model(grid, nodes, wait)
                 delivery.accuracy.update(delivered)
                 pending -= set(delivered)
@@ -688,11 +491,11 @@ class PersonalizedStrategy(Strategy):  # pylint: disable=too-many-instance-attri
         still connected) is not queried at every look of the delivery."""
         now = time.monotonic()
         unbound = [n for n in self._candidates(grid) if n not in self.node_partition]
-        if not any(now - asked.get(n, -float("inf")) >= DISCOVERY_ATTEMPT for n in unbound):
+        if not any(now - asked.get(n, -float("inf")) >= federation.DISCOVERY_ATTEMPT for n in unbound):
             return
         asked.update(dict.fromkeys(unbound, now))
         patience = self.discovery_timeout
-        self.discover(grid, max(1.0, min(DISCOVERY_ATTEMPT, deadline - now)), strict=False)
+        self.discover(grid, max(1.0, min(federation.DISCOVERY_ATTEMPT, deadline - now)), strict=False)
         self.discovery_timeout = patience  # the run's patience, not this attempt's
 
     def _nodes_of(self, grid: Grid, partitions: set[int]) -> list[int]:

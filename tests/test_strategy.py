@@ -268,9 +268,9 @@ def test_a_restarted_supernode_gets_its_own_head_back():
 def test_discovery_asks_again_a_node_whose_query_was_lost(monkeypatch, caplog):
     """An overloaded SuperLink can make a SuperNode drop a message it failed to pull; the
     pre-flight then asks that node again instead of waiting for the whole timeout."""
-    import server_app.strategy as strategy_module
+    import server_app.federation as federation_module
 
-    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 0.01)
+    monkeypatch.setattr(federation_module, "DISCOVERY_ATTEMPT", 0.01)
     lost = []
 
     def lose_partition_1_once(reply, pid):
@@ -327,9 +327,9 @@ def test_discovery_asks_a_restarted_node_again_once_it_is_back(monkeypatch, capl
     """A SuperNode killed just before the run starts is still listed; the SuperLink answers the
     query in its place (Node Unavailable). It restarts under its key, so it comes back with the
     same node id: the pre-flight asks it again then, instead of failing the run on that error."""
-    import server_app.strategy as strategy_module
+    import server_app.federation as federation_module
 
-    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 30.0)
+    monkeypatch.setattr(federation_module, "DISCOVERY_ATTEMPT", 30.0)
     strategy, _ = _strategy(parse_run_config(RUN_CONFIG))
     grid = OfflineGrid(RUN_CONFIG, 3)
     restarted = next(node for node, pid in grid.partition_of_node.items() if pid == 2)
@@ -343,9 +343,9 @@ def test_discovery_asks_a_restarted_node_again_once_it_is_back(monkeypatch, capl
 
 
 def test_discovery_leaves_out_a_node_that_went_offline_and_the_run_goes_on(monkeypatch, caplog):
-    import server_app.strategy as strategy_module
+    import server_app.federation as federation_module
 
-    monkeypatch.setattr(strategy_module, "DISCOVERY_ATTEMPT", 0.05)
+    monkeypatch.setattr(federation_module, "DISCOVERY_ATTEMPT", 0.05)
     strategy, arrays = _strategy(parse_run_config(RUN_CONFIG))
     grid = OfflineGrid(RUN_CONFIG, 3)
     dead = next(node for node, pid in grid.partition_of_node.items() if pid == 2)
