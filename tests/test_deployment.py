@@ -125,6 +125,59 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
             assert np.array_equal(sim[key], dep[key]), key
 
 
+def _per_client(out, *columns: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """clients.csv's ``columns`` by (round, partition-id), exactly as written."""
+    rows = csv.DictReader((run_dir(out) / "clients.csv").open())
+    return {(row["round"], row["partition_id"]): tuple(row[c] for c in columns) for row in rows}
+
+
+def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation_does(tmp_path, certs, monkeypatch):
+    """FedProx and Ditto on deployed sites (one with Flower's own process per message, two in warm
+    workers), one run after the other on the same federation: every site's accuracy and loss in
+    every round, and the final global model, are the simulation's, bit for bit. Ditto's personal
+    model lives at the site from one round to the next (the node's state, never sent), so a site
+    that lost it, or mixed it up with another run's, would evaluate another model from round 2 on;
+    each site saves its personal model at the end, with the accuracy the server recorded."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
+    common = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
+              "num-server-rounds": 3, "min-available-clients": 3}
+    methods = {"fedprox": {"prox-mu": 0.1}, "ditto": {"ditto-lambda": 0.5}}
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
+                    "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
+    for method, knobs in methods.items():
+        subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
+                        json.dumps({**common, **knobs, "strategy": method,
+                                    "output-dir": str(tmp_path / f"simulated-{method}")})],
+                       cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
+    try:
+        federation.register(0, 1, 2)
+        for pid in range(3):
+            federation.start_node(pid, data_path=data / f"client-{pid}", executor="cold" if pid == 0 else "warm")
+        for method, knobs in methods.items():
+            settings = " ".join(f"{k}={v}" for k, v in {**common, **knobs}.items())
+            run_id = federation.submit(f"strategy='{method}' {settings} output-dir='{tmp_path / method}'")
+            assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    finally:
+        federation.close()
+    for method in methods:
+        simulated, deployed = tmp_path / f"simulated-{method}", tmp_path / method
+        measured = ("accuracy", "test_loss", "train_loss", "num_examples")
+        assert _per_client(deployed, *measured) == _per_client(simulated, *measured), method
+        assert len(_per_client(deployed, *measured)) == 9
+        with np.load(run_dir(simulated) / "final_state.npz") as sim, \
+                np.load(run_dir(deployed) / "final_state.npz") as dep:
+            assert sorted(sim.files) == sorted(dep.files)
+            for key in sim.files:
+                assert np.array_equal(sim[key], dep[key]), (method, key)
+    # the sites' saved models are Ditto's (the last run's) personal models, the ones evaluated
+    last = _per_client(tmp_path / "ditto", "accuracy")
+    for pid in range(3):
+        info = json.loads((tmp_path / "deployed" / "models" / f"client-{pid}" / "model.json").read_text())
+        assert info["round"] == 3 and info["accuracy"] == pytest.approx(float(last[("3", str(pid))][0]), abs=0)
+
+
 def test_pfedvem_posteriors_survive_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch):
     """pFedVEM's client state in a real deployment: two rounds, SuperNode 2 killed and restarted,
     the server stopped and resumed from its checkpoint for rounds 3 and 4. The posteriors live on
