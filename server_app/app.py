@@ -7,7 +7,7 @@ import json
 import os
 import time
 from dataclasses import asdict, fields
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -177,6 +177,10 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
         strategy.restore(checkpoint)
         report.rounds = list(checkpoint.rounds)
         log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
+        if server.method.keeps_site_state:
+            log(WARNING, "%s's sites keep state the server does not hold; this resumed run is a new run to "
+                "them and they start it over, so it does not continue the interrupted run exactly",
+                cfg.strategy)
 
     def end_of_round(record: RoundRecord) -> None:
         checkpoint = Checkpoint(

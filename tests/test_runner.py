@@ -233,7 +233,7 @@ class FakeSimulation:
     def __call__(self, cell, directory, resume_from, log_path):
         self.calls.append((cell.method, cell.seed, resume_from))
         log_path.write_text("simulated\n")
-        accuracy = {"fedavg": 0.80, "fedpac": 0.90}[cell.method] + 0.02 * cell.seed
+        accuracy = {"fedavg": 0.80, "fedpac": 0.90, "ditto": 0.85}[cell.method] + 0.02 * cell.seed
         name = f"run-{len(self.calls)}"
         if cell.method in self.crash:
             _fake_run(cell, directory, [accuracy] * (cell.rounds - 1), finished=False, name=name)
@@ -276,6 +276,27 @@ def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_ch
     longer = FakeSimulation()
     assert main(args + ["--rounds", "3", "--methods", "fedavg"], execute=longer) == 0
     assert [c[:2] for c in longer.calls] == [("fedavg", 0), ("fedavg", 1)]
+
+
+def test_a_stopped_cell_of_a_method_whose_sites_keep_state_starts_over_instead_of_resuming(tmp_path, capsys):
+    """Ditto's personal models live at the sites, for the run: a resumed run would start them
+    over and not be the cell's computation, so the runner runs such a cell again from round 1,
+    and neither resumes nor extends it."""
+    grid, out = _grid(tmp_path, TINY.replace("fedpac", "ditto")), \
+        tmp_path / "out"
+    assert main([str(grid), "--out", str(out)], execute=FakeSimulation(crash={"ditto"})) == 1
+    capsys.readouterr()
+    again = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--dry-run"], execute=again) == 0
+    assert "tiny/s-20 | ditto | seed 0: 3 clients, 2 rounds: to run" in capsys.readouterr().out
+    assert main([str(grid), "--out", str(out)], execute=again) == 0
+    assert again.calls == [("ditto", 0, None)]
+    assert "ditto | seed 0: not resuming the stopped run run-2: ditto's sites keep state" in capsys.readouterr().out
+    # a longer Ditto cell does not extend the finished shorter one either
+    longer = FakeSimulation()
+    assert main([str(grid), "--out", str(out), "--rounds", "3", "--extend"], execute=longer) == 0
+    assert [(m, r) for m, _, r in longer.calls] == [("fedavg", longer.calls[0][2]), ("ditto", None)]
+    assert longer.calls[0][2] is not None  # FedAvg's does
 
 
 def test_a_run_whose_status_says_finished_counts_as_finished_without_its_final_state(tmp_path, capsys):
@@ -609,7 +630,7 @@ class GeneralizedSimulation(FakeSimulation):
     def __call__(self, cell, directory, resume_from, log_path):
         self.calls.append((cell.method, cell.seed, resume_from))
         log_path.write_text("simulated\n")
-        accuracy = {"fedavg": 0.80, "fedpac": 0.90}[cell.method] + 0.02 * cell.seed
+        accuracy = {"fedavg": 0.80, "fedpac": 0.90, "ditto": 0.85}[cell.method] + 0.02 * cell.seed
         rounds = [1, cell.rounds] if self.last_round else [1]
         _fake_run(cell, directory, [accuracy] * cell.rounds, name=f"run-{len(self.calls)}",
                   generalized={r: accuracy - 0.10 - 0.01 * r for r in rounds})

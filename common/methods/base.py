@@ -76,6 +76,10 @@ class Method:
     # Whether the method's server draws the round's sample itself (pFedVEM's S_t), so that
     # fraction-train must not sample on top of it.
     draws_its_own_sample: ClassVar[bool] = False
+    # Whether its sites keep state from one round to the next that the server never holds
+    # (Ditto's personal models, in the node's state for the run). A resumed run is a new run to
+    # Flower, whose sites start that state over: it does not continue the same computation.
+    keeps_site_state: ClassVar[bool] = False
 
     name: str
     extractor: Rule = Rule.AVERAGE

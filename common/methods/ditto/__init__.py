@@ -15,6 +15,8 @@ class Ditto(Method):
     """Ditto; ``lam`` is the personal model's pull towards the global one (run config
     ``ditto-lambda``; the FedPAC paper's value, tuned over {0.1, 1, 10}, is 1)."""
 
+    keeps_site_state = True  # the personal models
+
     lam: float = setting(1.0, "ditto-lambda")
 
     def __post_init__(self) -> None:
