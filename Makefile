@@ -49,11 +49,12 @@ test: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest --durations=12
 
-# The quick tier: the unit and in-process tests (no process started, no network, Docker or GPU),
-# the ones to run while changing code, on every core (pytest-xdist). make test runs them too.
+# The quick tier: the unit and in-process tests (no process started, no network, Docker or GPU)
+# but the slow ones (runs compared with runs), the ones to run while changing code, on every core
+# (pytest-xdist). make test runs them too.
 test-fast: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -m "not e2e" -n auto --durations=5
+	$(VENV)/bin/python -m pytest -m "not e2e and not slow" -n auto --dist worksteal --durations=5
 
 stop:  # the local SuperLink that a plain `flwr run .` starts keeps running after the run (make run stops its own)
 	-pkill -f "$(CURDIR)/$(VENV)/bin/flower-superlink .*--simulation"

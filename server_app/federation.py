@@ -71,7 +71,7 @@ class SiteBinding:
                 break
             if int(waited) % 10 == 0:
                 log(INFO, "Waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
-            time.sleep(1)
+            time.sleep(min(1.0, patience - waited))  # not past the patience
         # Ordered by partition-id where known: node ids are random per run, partition-ids are
         # not, so the same seed samples the same clients in every run (and after a resume).
         return sorted(nodes, key=lambda n: (n not in self.node_partition, self.node_partition.get(n, 0), n))

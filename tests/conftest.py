@@ -12,6 +12,34 @@ sys.path.insert(0, str(ROOT / "tests"))
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _unrendered(fig, path: Path) -> None:
+    from server_app import report
+
+    report.atomic_write(path, PNG_SIGNATURE)  # where the real one writes (a full disk still fails)
+
+
+@pytest.fixture(autouse=True)
+def _charts_built_not_rendered(request, monkeypatch):
+    """Every chart of a run or a report is built from its data as always, but not rendered to
+    PNG (matplotlib's rasterizing took most of the in-process runs' and the runner's report
+    time): the file holds the PNG signature only. A test that asks for ``rendered_charts``
+    gets real PNG files; the end-to-end runs, in processes of their own, always do."""
+    if "rendered_charts" not in request.fixturenames:
+        from experiments import summary
+        from server_app import report
+
+        monkeypatch.setattr(summary, "save_figure", _unrendered)
+        monkeypatch.setattr(report, "save_figure", _unrendered)
+
+
+@pytest.fixture
+def rendered_charts():
+    """Charts rendered to real PNG files (see ``_charts_built_not_rendered``)."""
+
+
 @pytest.fixture(autouse=True)
 def _task_identity():
     from federation import set_task_identity

@@ -283,7 +283,7 @@ def test_bad_preflight_answers_stop_the_run_with_a_message_not_a_crash(problem):
     grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering, tamper_queries=True)
     expected = PREFLIGHT_PROBLEMS[problem]
     with pytest.raises(RuntimeError, match=f"not ready to train(.|\\n)*{re.escape(expected)}"):
-        strategy.discover(grid, timeout=5)  # a client error is retried until the timeout
+        strategy.discover(grid, timeout=2)  # a client error is retried until the timeout
 
 
 def _claiming_partition_0(reply, pid):

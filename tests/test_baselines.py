@@ -384,6 +384,7 @@ def test_unknown_strategy_is_a_config_error_naming_the_key_and_the_choices():
     assert FedPACConfig().strategy == "fedpac"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["local", "fedavg"])
 def test_a_baseline_resumes_to_the_same_final_model(name, tmp_path):
     base = _config(name, **{"num-server-rounds": 3, "fraction-train": 0.5})

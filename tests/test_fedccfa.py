@@ -178,6 +178,7 @@ class StatisticsByRound:
         return reply
 
 
+@pytest.mark.slow
 def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
     config = {**RUN_CONFIG, "num-server-rounds": 4, "drift": "sudden", "drift-rounds": "2",
               "generalized-every": 2, "partition": "dirichlet-min", "output-dir": str(tmp_path)}
@@ -229,6 +230,7 @@ def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
     assert json.loads((run_dir / "metrics.json").read_text())["rounds"][-1]["generalized"]
 
 
+@pytest.mark.slow
 def test_fedccfa_with_drift_resumes_exactly(tmp_path):
     base = {**RUN_CONFIG, "num-server-rounds": 4, "drift": "sudden", "drift-rounds": "1",
             "fraction-train": 0.5}

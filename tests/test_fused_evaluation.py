@@ -51,6 +51,7 @@ def _by_type(grid: InProcessGrid, message_type: str) -> list:
     return [m for m in grid.sent if m.metadata.message_type == message_type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(METHOD_CONFIGS))
 def test_fused_evaluation_gives_the_numbers_of_an_evaluate_message_per_round(name, tmp_path):
     config = {**BASE, **METHOD_CONFIGS[name]}
@@ -99,6 +100,7 @@ def test_with_sampling_every_round_keeps_its_evaluate_message(tmp_path, caplog):
     assert all(r.accuracy for r in report.rounds)
 
 
+@pytest.mark.slow
 def test_a_crash_before_a_rounds_evaluation_came_back_resumes_to_the_same_run(tmp_path):
     config = {**BASE, "num-server-rounds": 4, "fused-evaluation": True}
     _, full_report, _ = _run(config, tmp_path, "full")

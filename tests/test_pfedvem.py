@@ -371,6 +371,7 @@ class RestartingGrid(InProcessGrid):
         return replies
 
 
+@pytest.mark.slow
 def test_a_restarted_supernode_gets_its_posterior_back_and_the_run_is_unchanged(tmp_path):
     full, full_report, _, _ = _run({}, tmp_path, "full")
     restarted, report, grid, recorder = _run({}, tmp_path, "restarted", grid_class=RestartingGrid,
@@ -401,6 +402,7 @@ def _assert_same_run(a, a_report, b, b_report):
             np.testing.assert_array_equal(b_scales[pid][key], a_scales[pid][key])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["all-train", "sampled-train"])
 def test_a_resumed_run_equals_an_uninterrupted_one(protocol, tmp_path):
     config = {"vem-protocol": protocol, "num-server-rounds": 4}

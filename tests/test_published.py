@@ -35,7 +35,7 @@ def _table1(**overrides):
     return load_grid(GRID, Overrides(experiments=["table1"], **overrides))[0]
 
 
-def test_a_table_is_redrawn_from_runs_published_in_several_folders(tmp_path, capsys):
+def test_a_table_is_redrawn_from_runs_published_in_several_folders(tmp_path, capsys, rendered_charts):
     twenty, hundred = tmp_path / "table1-200-rounds", tmp_path / "table1-100-clients"
     _publish(twenty / "fedpac-seed0", [0.5] * 199 + [0.92], skip_round=7)
     _publish(twenty / "fedpac-seed1", [0.5] * 199 + [0.90])

@@ -31,6 +31,7 @@ def _run(run_config, grid_seed, crash_at_round=None, run_id=1):
     return run_fedpac(grid, cfg, run_id)
 
 
+@pytest.mark.slow
 def test_resumed_run_gives_the_same_final_model_as_an_uninterrupted_one(tmp_path):
     full, full_report = _run({**BASE, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
 
@@ -213,6 +214,7 @@ FORMAT_1_RUNS = {
 BYTES = ("bytes_sent", "bytes_received")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FORMAT_1_RUNS))
 def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
     """Checkpoints written before the methods kept their state by section still continue their
@@ -310,6 +312,7 @@ def test_a_checkpoint_without_a_section_its_method_keeps_is_a_clear_error_before
     assert not any(m.metadata.message_type == "train" for m in grid.sent)
 
 
+@pytest.mark.slow
 def test_a_run_continues_another_drifts_rounds_while_no_label_has_changed(tmp_path):
     """The recurrent and incremental drifts share their first rounds with the sudden one: a run
     under one continues a run under another exactly, up to the first round whose labels differ."""

@@ -27,6 +27,8 @@ from experiments.grid import Cell, GridError, Overrides, load_grid, parse_assign
 from experiments.runner import cell_directory, main, plan, results_of
 from experiments.runs import finished_run, resumable_run
 
+from conftest import PNG_SIGNATURE
+
 TINY = """
 rounds = 2
 seeds = [0]
@@ -539,7 +541,7 @@ def test_fedrep_runs_from_before_fedrep_body_epochs_are_not_fedreps_new_default(
     assert same_computation(stored({k: v for k, v in fedpac.items() if k != "fedrep_body_epochs"}), fedpac)
 
 
-def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
+def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path, rendered_charts):
     grid, out = _grid(tmp_path), tmp_path / "out"
     assert main([str(grid), "--out", str(out), "--seeds", "0,1"], execute=FakeSimulation()) == 0
     report = out / "tiny"
@@ -560,7 +562,8 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path):
         ("fedavg", "1", "2"), ("fedavg", "2", "2"), ("fedpac", "1", "2"), ("fedpac", "2", "2")]
     assert all(float(r["mean"]) == pytest.approx(81.0 if r["method"] == "fedavg" else 91.0) for r in curves)
     assert all(float(r["std"]) == pytest.approx(math.sqrt(2), abs=1e-4) for r in curves)
-    assert (report / "accuracy.png").stat().st_size > 0
+    assert (report / "accuracy.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert (report / "accuracy.png").stat().st_size > 10_000  # rendered
     alphas = sorted(p.name for p in (report / "alpha").iterdir())
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
 

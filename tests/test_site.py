@@ -595,6 +595,7 @@ def test_every_worker_watches_its_executor(monkeypatch):
     assert watched == [(4242, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")  # Flower's own use of pathspec
 def test_the_app_bundle_a_site_receives_holds_the_apps_packages_only():
     """The FAB travels to every ClientApp with every message: it carries what the apps import,
