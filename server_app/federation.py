@@ -32,7 +32,6 @@ from server_app.replies import (
 DISCOVERY_ATTEMPT = 120.0
 
 
-
 def _most_common(values: list[int]) -> int:
     """The value most of ``values`` share (the larger one on a tie, so the choice does not
     depend on the order replies arrived in)."""
