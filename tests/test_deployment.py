@@ -43,14 +43,34 @@ def federation(tmp_path, certs):
     fed.close()
 
 
+def _export_partitions(data, run_config: str = SMALL) -> None:
+    """The simulation's partitions written as each site's own data folder, ``data/client-<i>``."""
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
+                    "--out", str(data), "--run-config", run_config], check=True, capture_output=True)
+
+
+def _simulate(run_config: dict, out) -> None:
+    """The same run as a 3-client simulation, outputs in ``out``."""
+    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
+                    json.dumps({**run_config, "output-dir": str(out)})],
+                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _assert_same_final_state(simulated, deployed) -> list[str]:
+    """The two runs' final_state.npz hold the same arrays, bit for bit; returns their names."""
+    with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(deployed) / "final_state.npz") as dep:
+        assert sorted(sim.files) == sorted(dep.files)
+        for key in sim.files:
+            assert np.array_equal(sim[key], dep[key]), (simulated, key)
+        return list(sim.files)
+
+
 def test_tls_federation_with_node_auth_trains_on_local_data_and_refuses_an_unregistered_node(
     federation, tmp_path
 ):
     # partition 2 is a "real" deployed client: its own data directory, not a dataset slice
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
-                    "--out", str(data), "--run-config", "samples-per-client=80 test-samples-per-client=40"],
-                   check=True, capture_output=True)
+    _export_partitions(data, "samples-per-client=80 test-samples-per-client=40")
     federation.register(0, 1, 2)
     intruder = federation.start_node(0, key=3, restarts=0)  # a valid key pair, but never registered
     assert intruder.wait(timeout=120) != 0
@@ -102,12 +122,9 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
     config = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
               "num-server-rounds": 2, "min-available-clients": 3}
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
-                    "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
+    _export_partitions(data)
     simulated = tmp_path / "simulated"
-    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
-                    json.dumps({**config, "output-dir": str(simulated)})],
-                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _simulate(config, simulated)
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
@@ -119,10 +136,7 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
         assert "Messages sealed" in federation.log(run_id)  # the deployed path, not the simulation's
     finally:
         federation.close()
-    with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(deployed) / "final_state.npz") as dep:
-        assert sorted(sim.files) == sorted(dep.files)
-        for key in sim.files:
-            assert np.array_equal(sim[key], dep[key]), key
+    _assert_same_final_state(simulated, deployed)
 
 
 def _per_client(out, *columns: str) -> dict[tuple[str, str], tuple[str, ...]]:
@@ -143,13 +157,9 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
               "num-server-rounds": 3, "min-available-clients": 3}
     methods = {"fedprox": {"prox-mu": 0.1}, "ditto": {"ditto-lambda": 0.5}}
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(ROOT / "deploy" / "export_partitions.py"), "--clients", "3",
-                    "--out", str(data), "--run-config", SMALL], check=True, capture_output=True)
+    _export_partitions(data)
     for method, knobs in methods.items():
-        subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
-                        json.dumps({**common, **knobs, "strategy": method,
-                                    "output-dir": str(tmp_path / f"simulated-{method}")})],
-                       cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        _simulate({**common, **knobs, "strategy": method}, tmp_path / f"simulated-{method}")
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
@@ -166,11 +176,7 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
         measured = ("accuracy", "test_loss", "train_loss", "num_examples")
         assert _per_client(deployed, *measured) == _per_client(simulated, *measured), method
         assert len(_per_client(deployed, *measured)) == 9
-        with np.load(run_dir(simulated) / "final_state.npz") as sim, \
-                np.load(run_dir(deployed) / "final_state.npz") as dep:
-            assert sorted(sim.files) == sorted(dep.files)
-            for key in sim.files:
-                assert np.array_equal(sim[key], dep[key]), (method, key)
+        _assert_same_final_state(simulated, deployed)
     # the sites' saved models are Ditto's (the last run's) personal models, the ones evaluated
     last = _per_client(tmp_path / "ditto", "accuracy")
     for pid in range(3):
@@ -188,10 +194,7 @@ def test_pfedvem_posteriors_survive_a_killed_supernode_and_a_resumed_server(tmp_
     config = {"strategy": "'pfedvem'", "samples-per-client": 100, "test-samples-per-client": 50,
               "local-epochs": 1, "vem-head-steps": 2, "vem-mc-samples": 2, "min-available-clients": 3}
     simulated = tmp_path / "simulated"
-    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
-                    json.dumps({**config, "strategy": "pfedvem", "num-server-rounds": 4,
-                                "output-dir": str(simulated)})],
-                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _simulate({**config, "strategy": "pfedvem", "num-server-rounds": 4}, simulated)
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     settings = " ".join(f"{k}={v}" for k, v in config.items())
@@ -210,11 +213,8 @@ def test_pfedvem_posteriors_survive_a_killed_supernode_and_a_resumed_server(tmp_
         federation.close()
     assert [int(r["round"]) for r in rounds_of(resumed)] == [1, 2, 3, 4]
     assert all(int(r["num_trained"]) == 3 for r in rounds_of(resumed))
-    with np.load(run_dir(simulated) / "final_state.npz") as sim, np.load(run_dir(resumed) / "final_state.npz") as dep:
-        assert sorted(sim.files) == sorted(dep.files)
-        assert {f"client-{pid}/scale/head.weight" for pid in range(3)} <= set(sim.files)
-        for key in sim.files:
-            assert np.array_equal(sim[key], dep[key]), key
+    arrays = _assert_same_final_state(simulated, resumed)
+    assert {f"client-{pid}/scale/head.weight" for pid in range(3)} <= set(arrays)
 
 
 def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_path):
