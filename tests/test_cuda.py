@@ -30,8 +30,8 @@ pytestmark = [
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 # One routine of each kind: alternating with centroids, representation, joint, clustered with
-# anchors, variational.
-METHODS_UNDER_TEST = ("fedpac", "fedrep", "fedavg", "fedccfa", "pfedvem")
+# anchors, variational, proximal, personal model kept at the site.
+METHODS_UNDER_TEST = ("fedpac", "fedrep", "fedavg", "fedccfa", "pfedvem", "fedprox", "ditto")
 
 
 def _task(n: int = 240, classes: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +126,23 @@ def test_fedpac_learns_on_the_gpu(mixed_precision):
     _, after = evaluate(model, x_test, y_test)
     assert all(q.dtype == torch.float32 for q in model.parameters())
     assert before < 0.5 and after > 0.95
+
+
+def test_dittos_personal_model_kept_on_the_gpu_matches_the_cpu():
+    """Two rounds at one site: the personal model goes to the site's state as host arrays and comes
+    back onto the GPU, where it is the model the site evaluates."""
+    cfg = FedPACConfig(strategy="ditto", local_epochs=1, batch_size=20)
+    routine = client_routine(METHODS["ditto"])
+    personal = {}
+    for device in (CPU, CUDA):
+        torch.manual_seed(0)
+        model = FedPACNet(1, 28, 10).to(device)
+        x, y = (t.to(device) for t in _task())
+        data = LocalData(x, y, x, y)
+        for server_round in (1, 2):
+            routine.local_update(model, data, Received(server_round=server_round), cfg,
+                                 torch.Generator().manual_seed(server_round))
+        personal[device.type] = routine.before_evaluation(model, data, cfg, torch.Generator().manual_seed(3))
+    assert all(q.device.type == "cuda" for q in personal["cuda"].parameters())
+    for (name, a), b in zip(personal["cpu"].state_dict().items(), personal["cuda"].state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=name)
