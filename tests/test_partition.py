@@ -6,10 +6,10 @@ import pytest
 
 from common.config import parse_run_config
 from common.data import DataError
+from common.class_wise_partition import MinimumDirichletPartitioner
 from common.partition import (
     ConceptShiftPartitioner,
     FedPACPartitioner,
-    MinimumDirichletPartitioner,
     _labels_dataset,
     build_partitioner,
     dominant_class_groups,

@@ -14,13 +14,8 @@ import pytest
 from common import data as data_module
 from common.config import ConfigError, dataset_classes, parse_run_config
 from common.data import DataError, load_dataset, load_source_dataset, super_labels
-from common.partition import (
-    ComplementaryPairsPartitioner,
-    SuperLabelPartitioner,
-    build_partitioner,
-    random_chunk_sizes,
-    split_clients,
-)
+from common.class_wise_partition import ComplementaryPairsPartitioner, SuperLabelPartitioner, random_chunk_sizes
+from common.partition import build_partitioner, split_clients
 from federation import InProcessGrid
 from synthetic import labelled_dataset
 from server_app.app import run_fedpac
