@@ -21,9 +21,12 @@ Choices: tau defaults to 5, the authors' (``--ft_ep 5`` in ``utils/options.py``,
 ``personalization_epoch = 5`` in ``analysis.ipynb``); FL-bench has no default of its own
 (``finetune_epoch`` is 0 and FedBABU asserts it is > 0). Fine-tuning uses the baselines' step
 size eta, batch size, momentum and weight decay (the optimizer of training), as FL-bench does
-(its fine-tuning reuses the training optimizer and its lr); the authors' notebook fine-tunes at
-1e-3 after training at 0.1, momentum 0.9, no weight decay, batch 50. ``babu-finetune-epochs = 0``
-evaluates the global model with its untrained head (the paper's accuracy before fine-tuning).
+(its fine-tuning reuses the training optimizer and its lr). The authors' notebook fine-tunes with
+the optimizer of their training too (batch 50, momentum 0.9, no weight decay in their scripts) at
+1e-3, the step size their training ends with (``main_fed.py`` decays 0.1 tenfold at half and at
+three quarters of the rounds); this product's training has no decay, so its step size is eta
+throughout. ``babu-finetune-epochs = 0`` evaluates the global model with its untrained head (the
+paper's accuracy before fine-tuning; FL-bench refuses 0).
 """
 
 from __future__ import annotations
