@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.methods.base import Method, Rule
+from common.methods.fedbabu import FedBABU
 from common.methods.fedccfa import FedCCFA
 from common.methods.fedpac import FedPAC
 from common.methods.pfedvem import PFedVEM
@@ -20,6 +21,7 @@ class Traits:
     posteriors: bool = False  # pFedVEM: the posterior scales and rho_j up, the prior and scales down
     local_evaluation: bool = False  # pFedVEM's own measure: the locally trained model's accuracy
     global_head: bool = False  # one head on the server: FedAvg's average, pFedVEM's prior mean
+    fixed_head: bool = False  # the head is never trained: the initial one throughout (FedBABU)
 
     @property
     def sends_statistics(self) -> bool:
@@ -34,4 +36,6 @@ def traits(method: Method) -> Traits:
         return Traits(centroids=True, class_counts=True, balanced_head=True)
     if isinstance(method, PFedVEM):
         return Traits(posteriors=True, local_evaluation=True, global_head=True)
+    if isinstance(method, FedBABU):
+        return Traits(global_head=True, fixed_head=True)
     return Traits(global_head=method.head is Rule.AVERAGE)  # the baselines, FedProx, Ditto

@@ -162,6 +162,7 @@ BAD_VALUES: dict[str, list[Bad]] = {
     # the methods' own settings (common.methods.base.setting)
     "prox-mu": [Bad(-0.01, "must be >= 0")],
     "ditto-lambda": [Bad(-1.0, "must be >= 0")],
+    "babu-finetune-epochs": [Bad(-1, "must be >= 0")],
 }
 
 NO_INVALID_VALUE: dict[str, str] = {

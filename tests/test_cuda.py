@@ -30,8 +30,8 @@ pytestmark = [
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
 # One routine of each kind: alternating with centroids, representation, joint, clustered with
-# anchors, variational, proximal, personal model kept at the site.
-METHODS_UNDER_TEST = ("fedpac", "fedrep", "fedavg", "fedccfa", "pfedvem", "fedprox", "ditto")
+# anchors, variational, proximal, personal model kept at the site, body through a fixed head.
+METHODS_UNDER_TEST = ("fedpac", "fedrep", "fedavg", "fedccfa", "pfedvem", "fedprox", "ditto", "fedbabu")
 
 
 def _task(n: int = 240, classes: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,4 +145,28 @@ def test_dittos_personal_model_kept_on_the_gpu_matches_the_cpu():
         personal[device.type] = routine.before_evaluation(model, data, cfg, torch.Generator().manual_seed(3))
     assert all(q.device.type == "cuda" for q in personal["cuda"].parameters())
     for (name, a), b in zip(personal["cpu"].state_dict().items(), personal["cuda"].state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=name)
+
+
+def test_fedbabus_head_stays_and_its_fine_tuned_copy_on_the_gpu_matches_the_cpu():
+    """FedBABU on the GPU: the local update sends the head back bit for bit, and the copy it
+    fine-tunes before evaluation (body and head, on the GPU) is the CPU's, the received model
+    untouched."""
+    cfg = FedPACConfig(strategy="fedbabu", local_epochs=1, batch_size=20)
+    routine = client_routine(METHODS["fedbabu"])
+    tuned = {}
+    for device in (CPU, CUDA):
+        torch.manual_seed(0)
+        model = FedPACNet(1, 28, 10).to(device)
+        head = {k: v.detach().clone() for k, v in model.head.state_dict().items()}
+        x, y = (t.to(device) for t in _task())
+        data = LocalData(x, y, x, y)
+        routine.local_update(model, data, Received(), cfg, torch.Generator().manual_seed(1))
+        assert all(torch.equal(head[k], v) for k, v in model.head.state_dict().items())
+        received = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        tuned[device.type] = routine.before_evaluation(model, data, cfg, torch.Generator().manual_seed(3))
+        assert all(torch.equal(received[k], v) for k, v in model.state_dict().items())
+        assert not torch.equal(tuned[device.type].head.weight, model.head.weight)
+    assert all(q.device.type == "cuda" for q in tuned["cuda"].parameters())
+    for (name, a), b in zip(tuned["cpu"].state_dict().items(), tuned["cuda"].state_dict().values()):
         torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=name)

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.config import FedPACConfig
+from common.model import split_state
+from server_app.app import initial_model
 from tests.deployment import process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,12 +196,13 @@ def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
         assert any(key.startswith("client-") and "/scale/" in key for key in state.files)
 
 
-@pytest.mark.parametrize("method,own_metric", [("fedprox", None), ("ditto", "personal-loss")])
-def test_fedprox_and_ditto_through_flwr_run(flower_env, tmp_path, method, own_metric):
+@pytest.mark.parametrize("method,own_metric", [("fedprox", None), ("ditto", "personal-loss"), ("fedbabu", None)])
+def test_fedprox_ditto_and_fedbabu_through_flwr_run(flower_env, tmp_path, method, own_metric):
     """The methods added as one package and one registry line run through `flwr run .` with their
     own knob set on the command line; Ditto's sites report their personal model's loss every
-    round (the model they keep in the SuperNode's state and evaluate)."""
-    knob = "prox-mu=0.1" if method == "fedprox" else "ditto-lambda=0.5"
+    round (the model they keep in the SuperNode's state and evaluate); FedBABU's server ends
+    with the initial head (its sites never train it; they fine-tune a copy to evaluate)."""
+    knob = {"fedprox": "prox-mu=0.1", "ditto": "ditto-lambda=0.5", "fedbabu": "babu-finetune-epochs=2"}[method]
     run_id, status = flwr_run(
         flower_env,
         f"strategy='{method}' {knob} num-server-rounds=2 samples-per-client=200 test-samples-per-client=50 "
@@ -217,6 +221,12 @@ def test_fedprox_and_ditto_through_flwr_run(flower_env, tmp_path, method, own_me
         assert all(0.0 <= a <= 1.0 for a in record["accuracy"].values())
         if own_metric:
             assert all(own_metric in m for m in record["train"].values()), record["train"]
+    if method == "fedbabu":  # the run's round-0 model is initial_model(cfg), seeded by the run's seed
+        shape = {key: config[key] for key in ("seed", "image_channels", "image_size", "num_classes")}
+        initial = initial_model(FedPACConfig(**shape)).state_dict()
+        _, initial_head = split_state({k: v.numpy() for k, v in initial.items()})
+        with np.load(run_dir / "final_state.npz") as state:
+            assert all(np.array_equal(state[f"head/{key}"], value) for key, value in initial_head.items())
 
 
 def test_simulate_sh_refuses_a_local_superlink_of_another_environment(tmp_path):

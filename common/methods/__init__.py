@@ -10,6 +10,7 @@ from __future__ import annotations
 from common.methods.base import Alignment, Method, Rule
 from common.methods.baselines import Baseline
 from common.methods.ditto import Ditto
+from common.methods.fedbabu import FedBABU
 from common.methods.fedccfa import FedCCFA
 from common.methods.fedpac import FedPAC
 from common.methods.fedprox import FedProx
@@ -43,6 +44,8 @@ METHODS: dict[str, Method] = {
         FedProx("fedprox"),
         # Ditto: FedAvg's global model, and a personal model at each site regularized towards it.
         Ditto("ditto"),
+        # FedBABU: the body learned by FedAvg through a fixed random head, fine-tuned before evaluation.
+        FedBABU("fedbabu"),
     )
 }
 
