@@ -8,6 +8,7 @@ but ``seconds``, which is timing) and of every array of its ``final_state.npz``.
 
     python bench/fingerprint.py --out before.json               # on the old code
     python bench/fingerprint.py --compare before.json           # on the new code: exit 1 on a change
+    python bench/fingerprint.py --out before.json --keep runs   # and keep each run's folder, runs/<name>
 
 Seconds per method on a laptop core; the runs of the experiment grids (``fedpac-experiments``)
 are the full-length check.
@@ -20,6 +21,7 @@ import csv
 import hashlib
 import io
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -68,13 +70,19 @@ def state_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(name: str, extra: dict[str, object]) -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as out:
-        config = {**BASE, **extra, "output-dir": out}
+def fingerprint(name: str, extra: dict[str, object], keep: Path | None = None) -> dict[str, str]:
+    """``name``'s digests; its run folder (outputs, checkpoint) goes under ``keep``/``name``
+    when given (replacing one there), for a comparison file by file, or is deleted."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) if keep is None else keep / name
+        if keep is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+        config = {**BASE, **extra, "output-dir": str(out)}
         cfg = parse_run_config(config)
         set_task_identity()
         run_fedpac(cast(Grid, InProcessGrid(config, CLIENTS)), cfg, 1)
-        run = next(Path(out).rglob("rounds.csv")).parent
+        run = next(out.rglob("rounds.csv")).parent
         return {"rounds.csv": rounds_digest((run / "rounds.csv").read_text()),
                 "final_state.npz": state_digest(run / "final_state.npz")}
 
@@ -83,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the fingerprints here (JSON)")
     parser.add_argument("--compare", type=Path, help="fingerprints to compare with (JSON): exit 1 on a difference")
+    parser.add_argument("--keep", type=Path, help="keep each run's folder here, as KEEP/<name>")
     parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     RunReport.paint = lambda self, rounds: None  # type: ignore[method-assign]  # charts: not numbers
     prints = {}
     for name in args.runs:
-        prints[name] = fingerprint(name, RUNS[name])
+        prints[name] = fingerprint(name, RUNS[name], args.keep)
         print(f"{name}: {prints[name]['rounds.csv'][:12]} {prints[name]['final_state.npz'][:12]}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(prints, indent=1) + "\n")

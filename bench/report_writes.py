@@ -40,13 +40,13 @@ def history(rounds: int, clients: int, seed: int = 0) -> list[RoundRecord]:
             round=t, started=0.0, seconds=float(rng.uniform(5, 10)),
             train={pid: {"num-examples": 600.0, "train-loss": float(rng.random()), "head-loss": float(rng.random()),
                          "v": float(rng.random()), "train-seconds": 0.8} for pid in range(clients)},
-            alpha_partitions=list(range(clients)), alpha=alpha.tolist(), solver_status=["ok"] * clients,
             accuracy={pid: float(rng.random()) for pid in range(clients)},
             test_loss={pid: float(rng.random()) for pid in range(clients)},
             eval_seconds={pid: 0.05 for pid in range(clients)},
             bytes_sent={pid: 944_259 for pid in range(clients)},
             bytes_received={pid: 480_347 for pid in range(clients)},
-            centroid_classes=10,
+            method={"alpha_partitions": list(range(clients)), "alpha": alpha.tolist(),
+                    "solver_status": ["ok"] * clients, "centroid_classes": 10},
         ))
     return records
 

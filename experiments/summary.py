@@ -35,11 +35,12 @@ from matplotlib.ticker import MaxNLocator
 
 from common.config import ConfigError, parse_run_config
 from common.drift import Drift
+from common.figures import save_figure
 from common.methods import METHODS
+from common.methods.fedpac.charts import plot_alpha
 from experiments.grid import Experiment, Setting
 from experiments.runs import Results
 from common.files import atomic_write
-from server_app.report import plot_alpha, save_figure
 
 SUMMARY_COLUMNS = ("method", "setting", "clients", "rounds", "seeds", "mean", "std")
 # A generalized experiment's summary.csv: the final personalized accuracy next to it.

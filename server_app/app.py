@@ -153,7 +153,8 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
     server = server_part(configured_method(cfg), cfg, extractor, head)
     groups = len(dominant_class_groups(cfg.num_classes))
     directory = run_directory(cfg, run_id)
-    report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg))
+    report = RunReport(directory, cfg.num_server_rounds, lambda pid: pid % groups, asdict(cfg),
+                       outputs=server.outputs)
     log(INFO, "%s outputs: %s", cfg.strategy, directory)
 
     strategy = PersonalizedStrategy(

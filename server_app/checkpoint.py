@@ -11,14 +11,16 @@ partition-id), so no random generator state needs saving: a resumed run continue
 the stopped one would have.
 
 Checkpoints of format 1 (before the methods kept their state by section) are read too: their
-fields map onto the sections the methods keep now (:func:`_format_1_state`).
+fields map onto the sections the methods keep now (:func:`_format_1_state`). So are records
+written before a record kept its method's values in ``method`` (alpha, clusters, ... beside the
+generic fields): a field a record no longer has moves into its ``method`` (:func:`_record`).
 """
 
 from __future__ import annotations
 
 import json
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +79,15 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
 
 
 def _record(data: dict) -> RoundRecord:
+    """A record as the checkpoint holds it; the keys that are no field of a record (a method's
+    values at the top level, as records held them before ``method``) go into ``method``."""
     for name in _KEYED_BY_PARTITION:
         data[name] = {int(k): v for k, v in data.get(name, {}).items()}
-    return RoundRecord(**data)
+    generic = {f.name for f in fields(RoundRecord)}
+    method = dict(data.pop("method", None) or {})
+    for name in [key for key in data if key not in generic]:
+        method[name] = data.pop(name)
+    return RoundRecord(**data, method=method)
 
 
 def checkpoint_file(location: str | Path) -> Path:

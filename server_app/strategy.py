@@ -350,14 +350,12 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
             return None, None
         self.failed_rounds = 0
         step = self.server.step(self.state, [u.update for u in updates], self._sample_weights(updates), server_round)
-        for name, value in step.record.items():
-            setattr(record, name, value)
+        record.method.update(step.record)
         metrics = MetricRecord(
             {
                 p.TRAIN_LOSS: record.mean_train_loss,
                 "num-replies": len(updates),
                 "num-rejected": record.rejected,
-                "qp-fallbacks": record.qp_fallbacks,
             }
         )
         # Flower carries the global extractor to the next phase (Local-only's is the initial one:
@@ -429,8 +427,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
         record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
                               if e.generalized_accuracy is not None}
-        for name, value in self.server.closing_record(self.state).items():
-            setattr(record, name, value)
+        record.method.update(self.server.closing_record(self.state))
         if evaluations:
             log(INFO, "Round %d: mean personalized accuracy %.2f%% over %d clients", record.round,
                 100 * record.mean_accuracy, len(evaluations))

@@ -85,9 +85,9 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
         assert all(0.0 <= a <= 1.0 for a in record.accuracy.values())
         assert all(np.isfinite(m["train-loss"]) for m in record.train.values())
         # alpha exists exactly for the methods that mix heads, one row per trained client
-        assert (len(record.alpha) == 3) == method.has_alpha
+        assert (len(record.method.get("alpha", [])) == 3) == method.has_alpha
         if method.has_alpha:
-            np.testing.assert_allclose(np.sum(record.alpha, axis=1), 1.0)
+            np.testing.assert_allclose(np.sum(record.method["alpha"], axis=1), 1.0)
     # clients send statistics only when the server step uses them, and only the ones it uses
     for content in recorder.train.values():
         sections = p.sections_of(content)

@@ -192,8 +192,8 @@ def test_fedccfa_under_a_sudden_drift_end_to_end(tmp_path):
         # generalized accuracy exactly in the rounds it is due (every 2nd and the last)
         assert sorted(record.generalized) == (list(range(6)) if record.round % 2 == 0 else [])
         assert all(0.0 <= a <= 1.0 for a in record.generalized.values())
-        assert record.cluster_partitions == list(range(6)) and len(record.clusters) == 10
-        assert all(0 <= label < 6 for labels in record.clusters for label in labels)  # every class present
+        assert record.method["cluster_partitions"] == list(range(6)) and len(record.method["clusters"]) == 10
+        assert all(0 <= label < 6 for labels in record.method["clusters"] for label in labels)  # every class present
     # the drift at (0-based) round 2 swaps labels from round 3 on: partition 0 swaps 1 <-> 2,
     # partition 3 swaps 3 <-> 4; the clients' own class counts show it
     for pid, (a, b) in ((0, (1, 2)), (3, (3, 4))):
@@ -247,7 +247,7 @@ def test_fedccfa_with_drift_resumes_exactly(tmp_path):
     resumed, report = run("resumed", 3, **{"resume-from": str(crashed_dir)})
 
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
-    assert [r.clusters for r in report.rounds] == [r.clusters for r in full_report.rounds]
+    assert [r.method["clusters"] for r in report.rounds] == [r.method["clusters"] for r in full_report.rounds]
     full_anchors, resumed_anchors = full.state.personal[ANCHORS], resumed.state.personal[ANCHORS]
     assert sorted(resumed_anchors) == sorted(full_anchors)
     for pid, anchors in full_anchors.items():

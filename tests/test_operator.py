@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat,
 
 from flwr.app import MessageType
 
+import common.figures
 import common.files
 import server_app.checkpoint
 import server_app.report
@@ -299,7 +300,8 @@ def test_atomic_write_removes_its_temp_file_on_any_failure(tmp_path, monkeypatch
 
 def _record(round_number: int) -> RoundRecord:
     return RoundRecord(round=round_number, started=0.0, seconds=1.0, accuracy={0: 0.5, 1: 0.75},
-                       alpha_partitions=[0, 1], alpha=[[0.5, 0.5], [0.5, 0.5]], solver_status=["ok", "ok"])
+                       method={"alpha_partitions": [0, 1], "alpha": [[0.5, 0.5], [0.5, 0.5]],
+                               "solver_status": ["ok", "ok"]})
 
 
 def _checkpoint(rounds: list[RoundRecord]) -> Checkpoint:
@@ -311,8 +313,8 @@ def _checkpoint(rounds: list[RoundRecord]) -> Checkpoint:
     return Checkpoint(completed_rounds=rounds[-1].round, state=state, rounds=rounds, model_shape=(10, 28, 1), seed=0)
 
 
-def _report(directory: Path) -> RunReport:
-    return RunReport(directory, 3, lambda pid: pid % 2, {"strategy": "fedpac"})
+def _report(directory: Path, strategy: str = "fedpac") -> RunReport:
+    return RunReport(directory, 3, lambda pid: pid % 2, {"strategy": strategy})
 
 
 def _end_round(report: RunReport, number: int) -> None:
@@ -342,7 +344,7 @@ def test_round_outputs_checkpoint_first_then_tables_then_charts(tmp_path, monkey
 
 
 def test_confidences_are_charted_only_for_methods_that_report_them(tmp_path):
-    report = _report(tmp_path)
+    report = _report(tmp_path, "pfedvem")
     for number in (1, 2):
         record = _record(number)
         record.train = {pid: {"train-loss": 0.5, "num-examples": 6.0, "rho": 0.1 * (pid + number)} for pid in (0, 1)}
@@ -363,13 +365,15 @@ def _varied_record(number: int) -> RoundRecord:
     record.train = {0: {"train-loss": float("nan"), "num-examples": 6.0, "v": 0.5},
                     1: {"train-loss": 0.25 * number, "num-examples": 8.0, "rho": 0.5}}
     record.generalized = {0: 0.5, 1: 0.25}
-    record.cluster_partitions, record.clusters = [0, 1], [[0, 0], [0, 1]]
-    record.sampled, record.aggregated, record.rejected = [0, 1], [1], number % 2
+    record.method.update(cluster_partitions=[0, 1], clusters=[[0, 0], [0, 1]], sampled=[0, 1], aggregated=[1])
+    record.rejected = number % 2
     return record
 
 
-def test_tables_serialize_each_round_once_and_equal_the_whole_history_written_at_once(tmp_path, monkeypatch):
-    report = _report(tmp_path)
+@pytest.mark.parametrize("strategy", ["fedccfa", "pfedvem", "fedpac"])
+def test_tables_serialize_each_round_once_and_equal_the_whole_history_written_at_once(tmp_path, monkeypatch,
+                                                                                     strategy):
+    report = _report(tmp_path, strategy)
     serialized: list[int] = []
     real = RunReport.tables_of
     monkeypatch.setattr(RunReport, "tables_of", lambda self, r: serialized.append(r.round) or real(self, r))
@@ -391,19 +395,22 @@ def test_tables_serialize_each_round_once_and_equal_the_whole_history_written_at
 
     rounds = report.rounds
     assert raw("clients.csv") == whole(
-        server_app.report.CLIENT_COLUMNS, [row for r in rounds for row in report.client_rows(r)])
+        server_app.report.client_columns(), [row for r in rounds for row in report.client_rows(r)])
     assert raw("rounds.csv") == whole(
-        server_app.report.ROUND_COLUMNS, [report.round_row(r) for r in rounds])
-    assert raw("clusters.csv") == whole(
-        server_app.report.CLUSTER_COLUMNS, [row for r in rounds for row in report.cluster_rows(r)])
+        server_app.report.round_columns(), [report.round_row(r) for r in rounds])
+    tables = ["rounds.csv", "clients.csv"]
+    for table in report.outputs.tables:  # FedCCFA's clusters.csv
+        assert raw(table.file) == whole(table.columns, [row for r in rounds for row in table.rows(r)])
+        tables.append(table.file)
+    assert (tmp_path / "clusters.csv").exists() == (strategy == "fedccfa")
     document = json.loads((tmp_path / "metrics.json").read_text())
-    assert document["config"] == {"strategy": "fedpac"}
+    assert document["config"] == {"strategy": strategy}
     assert document["rounds"] == json.loads(json.dumps(
         [server_app.report.finite_json(report.metrics_entry(r)) for r in rounds]))
     assert document["rounds"][0]["train"]["0"]["train-loss"] is None
 
     # A resume replaces the records (read back from the checkpoint): they are serialized anew.
-    before = {name: raw(name) for name in ("rounds.csv", "clients.csv", "clusters.csv")}
+    before = {name: raw(name) for name in tables}
     report.rounds = list(load_checkpoint(tmp_path).rounds)
     serialized.clear()
     report.write()
@@ -486,7 +493,7 @@ def test_a_chart_that_fails_is_a_warning_and_the_run_goes_on(tmp_path, monkeypat
             raise ValueError("cannot render")
 
         monkeypatch.setattr(RunReport, "plot_accuracy", broken)
-        monkeypatch.setattr(RunReport, "plot_alpha", broken)
+        monkeypatch.setattr(common.figures, "new_figure", broken)  # the methods' charts
     report = _report(tmp_path)
     with caplog.at_level(logging.WARNING):
         _end_round(report, 1)

@@ -23,7 +23,7 @@ from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
 from common.methods.client import LocalData, Received, client_routine
-from common.methods.pfedvem.server import SCALE, initial_prior_head
+from common.methods.pfedvem.server import SCALE, initial_prior_head, mean_local_accuracy
 from common.methods.server import EXTRACTOR, HEAD, Update, server_part
 from common.model import FedPACNet, split_state
 from common.training import evaluate
@@ -252,7 +252,7 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     for server_round in range(1, rounds + 1):
         record = report.rounds[server_round - 1]
         sample = draw_sample(CLIENTS, 0.5, seed=0, server_round=server_round)
-        assert record.sampled == sample and record.aggregated == sample and len(sample) >= 2
+        assert record.method["sampled"] == sample and record.method["aggregated"] == sample and len(sample) >= 2
         messages = _train_messages(grid, server_round)
         assert sorted(_pid_of(grid, m.metadata.dst_node_id) for m in messages) == list(range(CLIENTS))
         assert sorted(record.train) == list(range(CLIENTS))  # everyone trained and replied
@@ -318,9 +318,9 @@ def test_all_train_trains_everyone_aggregates_only_the_sample_and_keeps_every_po
     assert {int(r["partition_id"]) for r in clients if r["round"] == "1" and r["aggregated"] == "1"} == set(
         draw_sample(CLIENTS, 0.5, 0, 1))
     rounds_csv = _rows(run_dir / "rounds.csv")
-    assert [int(r["num_aggregated"]) for r in rounds_csv] == [len(r.aggregated) for r in report.rounds]
+    assert [int(r["num_aggregated"]) for r in rounds_csv] == [len(r.method["aggregated"]) for r in report.rounds]
     for row, record in zip(rounds_csv, report.rounds):
-        assert float(row["mean_local_accuracy"]) == pytest.approx(record.mean_local_accuracy)
+        assert float(row["mean_local_accuracy"]) == pytest.approx(mean_local_accuracy(record))
         assert float(row["mean_accuracy"]) == pytest.approx(record.mean_accuracy)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["vem_protocol"] == "all-train" and config["vem_sampling_rate"] == 0.5
@@ -340,7 +340,7 @@ def test_sampled_train_trains_only_the_sample_and_everyone_in_a_full_last_round(
         trained = sorted(_pid_of(grid, m.metadata.dst_node_id) for m in _train_messages(grid, server_round))
         assert trained == (sample if server_round < rounds else list(range(CLIENTS)))
         record = report.rounds[server_round - 1]
-        assert sorted(record.train) == trained and record.aggregated == sample
+        assert sorted(record.train) == trained and record.method["aggregated"] == sample
         assert sorted(record.accuracy) == list(range(CLIENTS))  # everyone is evaluated every round
     # not everyone trains: every round has its own evaluate message (no fused evaluation)
     assert len([m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]) == CLIENTS * rounds
@@ -388,7 +388,7 @@ def test_a_restarted_supernode_gets_its_posterior_back_and_the_run_is_unchanged(
 def _assert_same_run(a, a_report, b, b_report):
     assert [r.round for r in a_report.rounds] == [r.round for r in b_report.rounds]
     for x, y in zip(a_report.rounds, b_report.rounds):
-        assert x.accuracy == y.accuracy and x.sampled == y.sampled and x.aggregated == y.aggregated
+        assert x.accuracy == y.accuracy and x.method == y.method
         assert ({pid: {k: v for k, v in m.items() if k not in TIMES} for pid, m in x.train.items()}
                 == {pid: {k: v for k, v in m.items() if k not in TIMES} for pid, m in y.train.items()})
     for key, value in {**a.extractor, **a.state.shared[HEAD]}.items():
@@ -478,7 +478,7 @@ def test_a_bad_pfedvem_reply_is_rejected_and_the_round_goes_on(case, caplog):
     bad_node = next(n for n, pid in grid.partition_of_node.items() if pid == BAD)
     assert f"Rejected reply from node {bad_node}" in caplog.text
     survivors = [0, 2, 3]
-    assert metrics["num-replies"] == 3 and strategy._record.aggregated == survivors
+    assert metrics["num-replies"] == 3 and strategy._record.method["aggregated"] == survivors
     # no posterior of the bad one
     assert sorted(strategy.state.personal[HEAD]) == sorted(strategy.state.personal[SCALE]) == survivors
     assert all(np.isfinite(v).all() for v in p.from_record(new_arrays).values())

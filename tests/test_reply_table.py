@@ -579,7 +579,7 @@ def test_a_bad_fedccfa_reply_is_logged_and_refused_and_the_round_goes_on(caplog)
         in caplog.text
     assert metrics is not None and metrics["num-replies"] == 2 and metrics["num-rejected"] == 1
     assert sorted(strategy.state.personal[HEAD]) == [0, 2]
-    assert strategy._record is not None and strategy._record.cluster_partitions == [0, 2]
+    assert strategy._record is not None and strategy._record.method["cluster_partitions"] == [0, 2]
     assert new_arrays is not None and all(np.isfinite(v).all() for v in p.from_record(new_arrays).values())
     assert all(np.isfinite(v).all() for h in strategy.state.personal[HEAD].values() for v in h.values())
     assert all(np.isfinite(part[p.CENTROID_VALUES]).all() for part in strategy.state.personal[ANCHORS].values())

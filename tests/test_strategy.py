@@ -154,8 +154,8 @@ def test_a_client_far_off_the_others_scale_is_named_in_the_log(caplog):
     assert "partitions [2] report feature statistics" in caplog.text
     record = strategy._record  # pylint: disable=protected-access  # the round's alpha, as the report gets it
     assert record is not None
-    alpha = np.array(record.alpha)
-    far = record.alpha_partitions.index(2)
+    alpha = np.array(record.method["alpha"])
+    far = record.method["alpha_partitions"].index(2)
     assert (np.delete(alpha[:, far], far) == 0).all()
 
 

@@ -5,21 +5,25 @@ method's math): the Flower glue (``server_app.strategy``) calls it and names no 
 A method's package (``common/methods/<family>/``) holds its server part in ``server.py``, a
 :class:`ServerPart` named ``Server``; :func:`server_part` finds it for any method. The state is a
 :class:`ServerState`: arrays by section, one global entry or one per partition-id, so the glue
-can checkpoint and save any method's state without knowing what it holds.
+can checkpoint and save any method's state without knowing what it holds. What it adds to the
+run's outputs (its columns, tables, charts and log) it declares as :attr:`ServerPart.outputs`
+(``common.methods.outputs``).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from common import protocol as p
 from common.averaging import weighted_average
 from common.config import FedPACConfig
+from common.methods import METHODS
 from common.methods.base import Method, Rule
+from common.methods.outputs import Outputs
 from common.validation import InvalidReply
 
 # Sections of the state every method with a shared or a personal model part keeps.
@@ -65,8 +69,9 @@ class Update:
 
 @dataclass
 class StepResult:
-    """What a round's server step says beyond the new state: the round record's method fields
-    (``server_app.report.RoundRecord``: alpha, clusters, the sample S_t, ...) by name."""
+    """What a round's server step says beyond the new state: what the round record keeps for the
+    method (``server_app.report.RoundRecord.method``: alpha, clusters, the sample S_t, ...) by
+    name, for its outputs (:attr:`ServerPart.outputs`) and metrics.json."""
 
     record: dict[str, Any] = field(default_factory=dict)
 
@@ -74,7 +79,13 @@ class StepResult:
 class ServerPart:
     """A method's server part; this base is FedAvg's and the other baselines': each part of the
     model is averaged over the replies by sample count (eq. 18) or kept per client
-    (:class:`Rule`), and nothing but the model travels."""
+    (:class:`Rule`), and nothing but the model travels.
+
+    ``outputs`` declares what the method adds to the run's outputs (``common.methods.outputs``):
+    a class attribute, so that the report knows every registered method's columns without a run
+    of it; the base adds nothing."""
+
+    outputs: ClassVar[Outputs] = Outputs()
 
     def __init__(self, method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         self.method = method
@@ -153,7 +164,8 @@ class ServerPart:
         return StepResult()
 
     def closing_record(self, state: ServerState) -> dict[str, Any]:
-        """Round record fields taken from the state when a round's record closes."""
+        """What the round record keeps for the method, taken from the state when the record
+        closes (after the round's evaluation; ``RoundRecord.method``)."""
         del state
         return {}
 
@@ -177,11 +189,22 @@ def weighted_class_counts(updates: list[Update], weights: np.ndarray) -> np.ndar
     return counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
 
 
+def server_class(method: Method) -> type[ServerPart]:
+    """The class of ``method``'s server part: ``Server`` in ``server.py`` next to its class's module."""
+    server: type[ServerPart] = importlib.import_module(f"{type(method).__module__}.server").Server
+    return server
+
+
 def server_part(method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> ServerPart:
-    """The server part of ``method``: ``Server`` in ``server.py`` next to its class's module."""
-    module = importlib.import_module(f"{type(method).__module__}.server")
-    return module.Server(method, cfg, extractor, head)
+    """The server part of ``method``."""
+    return server_class(method)(method, cfg, extractor, head)
 
 
-__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update", "server_part",
-           "weighted_class_counts"]
+def registered_outputs() -> list[Outputs]:
+    """What every registered method (``common.methods.METHODS``) adds to the outputs, in the
+    registry's order: the columns of the one schema every run's tables share."""
+    return [server_class(method).outputs for method in METHODS.values()]
+
+
+__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update",
+           "registered_outputs", "server_class", "server_part", "weighted_class_counts"]

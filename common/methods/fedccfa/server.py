@@ -16,6 +16,8 @@ from common.aggregation import Clustering, clustered_heads
 from common.averaging import weighted_average
 from common.config import FedPACConfig
 from common.methods.fedccfa import FedCCFA
+from common.methods.fedccfa.charts import clusters_chart, clusters_per_class, has_clusters
+from common.methods.outputs import Chart, Outputs, RoundColumn, RoundData, Table, reply_metric
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.validation import class_counts, finite_as
 
@@ -23,10 +25,42 @@ ANCHORS = "anchors"  # the state's section: each client's cluster anchors (K, d)
 GLOBAL_ANCHORS = -1  # the anchors key of the one global anchor set (``clustered-anchors = false``)
 
 
+def cluster_rows(record: RoundData) -> list[dict[str, object]]:
+    """clusters.csv's rows of a round: every client's cluster for every class (-1: the class is
+    absent on that client). The record's ``clusters[c][i]`` is the cluster of client
+    ``cluster_partitions[i]`` for class c."""
+    return [{"round": record.round, "class": c, "partition_id": pid, "cluster": label}
+            for c, labels in enumerate(record.method.get("clusters", []))
+            for pid, label in zip(record.method.get("cluster_partitions", []), labels)]
+
+
+def mean_clusters_per_class(record: RoundData) -> object:
+    clusters = record.method.get("clusters")
+    return float(np.mean(clusters_per_class(clusters))) if clusters else ""
+
+
+def _log(record: RoundData) -> str:
+    clusters = record.method.get("clusters")
+    return f" | clusters per class {clusters_per_class(clusters)}" if clusters else ""
+
+
+# What FedCCFA adds to the outputs: the clusters per class (per round, clusters.csv and its chart)
+# and its clients' reply metrics.
+OUTPUTS = Outputs(
+    round_columns=(RoundColumn("mean_clusters_per_class", mean_clusters_per_class),),
+    client_columns=(reply_metric("head_loss", "head-loss"), reply_metric("align_loss", "align-loss"),
+                    reply_metric("align_weight", "align-weight")),
+    tables=(Table("clusters.csv", ("round", "class", "partition_id", "cluster"), cluster_rows),),
+    charts=(Chart("clusters.png", clusters_chart, has_clusters),),
+    log=_log,
+)
+
+
 class Server(ServerPart):
     """FedCCFA's server part: global extractor, a merged head and anchors per client."""
 
     method: FedCCFA
+    outputs = OUTPUTS
 
     def __init__(self, method: FedCCFA, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)

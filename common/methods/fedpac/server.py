@@ -17,6 +17,8 @@ from common.averaging import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import FedPACConfig
 from common.methods.fedpac import FedPAC
+from common.methods.fedpac.charts import alpha_chart, has_alpha
+from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.simplex_qp import FAR_DIAGONAL
 from common.validation import class_counts, finite_as, metric, variance_metric
@@ -24,10 +26,34 @@ from common.validation import class_counts, finite_as, metric, variance_metric
 CENTROIDS = "centroids"  # the state's section: the global class centroids and their mask
 
 
+def qp_fallbacks(record: RoundData) -> int:
+    """Clients whose QP no solver could do (they kept their own head)."""
+    return sum(status.startswith("fallback") for status in record.method.get("solver_status", []))
+
+
+def solver_status(record: RoundData, partition_id: int) -> str:
+    """How the client's collaboration QP was solved this round ("": it had none)."""
+    status = dict(zip(record.method.get("alpha_partitions", []), record.method.get("solver_status", [])))
+    return status.get(partition_id, "")
+
+
+# What FedPAC adds to the outputs: the QPs that fell back and the classes with a global centroid
+# per round; the clients' reply metrics and the solver's status per client; the alpha chart.
+OUTPUTS = Outputs(
+    round_columns=(RoundColumn("qp_fallbacks", qp_fallbacks),
+                   RoundColumn("centroid_classes", lambda r: r.method.get("centroid_classes", 0))),
+    client_columns=(reply_metric("v", p.V), reply_metric("head_loss", "head-loss"),
+                    reply_metric("align_loss", "align-loss"), ClientColumn("solver_status", solver_status)),
+    charts=(Chart("alpha.png", alpha_chart, has_alpha),),
+    log=lambda r: f" | QP fallbacks {qp_fallbacks(r)}",
+)
+
+
 class Server(ServerPart):
     """FedPAC's server part: global extractor and centroids, a personalized head per client."""
 
     method: FedPAC
+    outputs = OUTPUTS
 
     def __init__(self, method: FedPAC, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)

@@ -14,13 +14,54 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.config import FedPACConfig
+from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.pfedvem import PFedVEM
+from common.methods.pfedvem.charts import confidence_chart, has_confidences
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
 from common.model import EMBEDDING_DIM
 from common.validation import InvalidReply, finite_as, metric
 from common.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head, softplus_inverse
 
 SCALE = "scale"  # the state's section: each client's posterior scales s, under the head's keys
+
+
+def mean_local_accuracy(record: RoundData) -> object:
+    """Unweighted mean of the locally trained models' accuracies, measured in the train step
+    before aggregation (pFedVEM's own evaluation); "" where no reply has one."""
+    local = [m[p.LOCAL_ACCURACY] for m in record.train.values() if p.LOCAL_ACCURACY in m]
+    return float(np.mean(local)) if local else ""
+
+
+def num_aggregated(record: RoundData) -> object:
+    return len(record.method.get("aggregated", [])) if record.method.get("sampled") else ""
+
+
+def aggregated(record: RoundData, partition_id: int) -> object:
+    """1 when the client was in S_t and its reply entered the means, 0 when it trained but did not."""
+    trained = record.train.get(partition_id)
+    if not (record.method.get("sampled") and trained):
+        return ""
+    return int(partition_id in record.method.get("aggregated", []))
+
+
+def _log(record: RoundData) -> str:
+    local = mean_local_accuracy(record)
+    line = f" | local models before aggregation {100 * local:.2f}%" if isinstance(local, float) else ""
+    if record.method.get("sampled"):
+        line += f" | aggregated {record.method.get('aggregated', [])} of S_t {record.method['sampled']}"
+    return line
+
+
+# What pFedVEM adds to the outputs: its own evaluation (the local models before aggregation) and
+# the sample S_t per round, the clients' reply metrics, and the clients' confidences chart.
+OUTPUTS = Outputs(
+    round_columns=(RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True),
+                   RoundColumn("num_aggregated", num_aggregated)),
+    client_columns=(reply_metric("head_loss", "head-loss"), reply_metric("local_accuracy", p.LOCAL_ACCURACY),
+                    reply_metric("rho", p.RHO), ClientColumn("aggregated", aggregated)),
+    charts=(Chart("confidence.png", confidence_chart, has_confidences),),
+    log=_log,
+)
 
 
 def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
@@ -36,6 +77,7 @@ class Server(ServerPart):
     has mu = w^0 and s = s^0."""
 
     method: PFedVEM
+    outputs = OUTPUTS
 
     def __init__(self, method: PFedVEM, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)
