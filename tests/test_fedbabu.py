@@ -58,7 +58,7 @@ def test_the_registered_method_is_fedbabu_with_the_authors_five_fine_tuning_epoc
     method = METHODS["fedbabu"]
     assert isinstance(method, FedBABU) and method.finetune_epochs == 5
     assert not method.keeps_site_state  # the fine-tuned copy is thrown away after the evaluation
-    assert type(server_part(method, CFG, {}, {})) is ServerPart  # FedAvg's server
+    assert isinstance(server_part(method, CFG, {}, {}), ServerPart)  # FedAvg's server, head pinned
 
 
 def test_the_local_update_trains_the_body_through_the_fixed_head_and_lowers_the_loss():
@@ -134,6 +134,24 @@ def test_fedavg_of_the_unchanged_heads_is_the_initial_head_bit_for_bit(weights):
             assert state.shared[HEAD][key].dtype == value.dtype and np.array_equal(state.shared[HEAD][key], value)
         assert not np.array_equal(state.shared[EXTRACTOR]["extractor.0.weight"], extractor["extractor.0.weight"])
     assert {**extractor, **head}.keys() == server.model_for(state, 0).keys()
+
+
+def test_a_reply_with_another_head_does_not_move_the_global_head():
+    """A site that sends back a head of its own (faulty or hostile) changes nothing of it: the
+    bodies are averaged, the head stays the initial one."""
+    torch.manual_seed(4)
+    extractor, head = split_state({k: v.numpy() for k, v in FedPACNet(1, 28, 10).state_dict().items()})
+    server = server_part(METHODS["fedbabu"], CFG, extractor, head)
+    state = server.initial_state()
+    updates = [Update(partition_id=i, num_examples=60, metrics={},
+                      extractor={k: v + 1.0 for k, v in extractor.items()},
+                      head={k: v + (10.0 if i == 1 else 0.0) for k, v in head.items()})
+               for i in range(3)]
+    server.step(state, updates, np.full(3, 1 / 3), server_round=1)
+    for key, value in head.items():
+        assert np.array_equal(state.shared[HEAD][key], value)
+    np.testing.assert_allclose(state.shared[EXTRACTOR]["extractor.0.weight"], extractor["extractor.0.weight"] + 1.0,
+                               rtol=1e-6)
 
 
 def test_the_setting_comes_from_the_run_config_and_is_checked():
