@@ -71,6 +71,23 @@ def _local_update(model: FedPACNet, x: torch.Tensor, y: torch.Tensor, received: 
     return client_routine(METHODS[cfg.strategy]).local_update(model, LocalData(x, y, x, y), received, cfg, generator)
 
 
+def _site_on(device: torch.device) -> tuple[FedPACNet, LocalData]:
+    """A fresh model (seed 0) and the task's data (no test split: the training data stand in for
+    it) on ``device``."""
+    torch.manual_seed(0)
+    model = FedPACNet(1, 28, 10).to(device)
+    x, y = (t.to(device) for t in _task())
+    return model, LocalData(x, y, x, y)
+
+
+def _assert_gpu_matches_cpu(gpu_model: FedPACNet, cpu_model: FedPACNet, what: str = "") -> None:
+    """The GPU model lives on the GPU and holds the CPU model's values, up to the order of the
+    float arithmetic."""
+    assert all(q.device.type == "cuda" for q in gpu_model.parameters())
+    for (name, a), b in zip(cpu_model.state_dict().items(), gpu_model.state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=f"{what}{name}")
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     """The CPU comparison wants float32 on the GPU too: cuDNN's convolutions default to TF32."""
@@ -81,10 +98,8 @@ def _no_tf32():
 
 
 def _update_on(device: torch.device, method: str, cfg: FedPACConfig):
-    torch.manual_seed(0)
-    model = FedPACNet(1, 28, 10).to(device)
-    x, y = (t.to(device) for t in _task())
-    update = _local_update(model, x, y, _received(method, model), cfg, torch.Generator().manual_seed(0))
+    model, data = _site_on(device)
+    update = _local_update(model, data.x, data.y, _received(method, model), cfg, torch.Generator().manual_seed(0))
     return model, update
 
 
@@ -93,10 +108,8 @@ def test_a_local_update_on_the_gpu_matches_the_cpu(method):
     cfg = FedPACConfig(strategy=method, local_epochs=2, batch_size=20)
     cpu_model, cpu_update = _update_on(CPU, method, cfg)
     gpu_model, gpu_update = _update_on(CUDA, method, cfg)
-    assert all(q.device.type == "cuda" for q in gpu_model.parameters())
     # Same batches, same steps: only the order of the float arithmetic differs.
-    for (name, a), b in zip(cpu_model.state_dict().items(), gpu_model.state_dict().values()):
-        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=f"{method}: {name}")
+    _assert_gpu_matches_cpu(gpu_model, cpu_model, f"{method}: ")
     assert gpu_update.train_loss == pytest.approx(cpu_update.train_loss, rel=1e-2, abs=1e-3)
     # the same arrays travel back, on the host: n_i, class counts, centroids, h, balanced head, scales
     assert gpu_update.num_examples == cpu_update.num_examples
@@ -135,17 +148,12 @@ def test_dittos_personal_model_kept_on_the_gpu_matches_the_cpu():
     routine = client_routine(METHODS["ditto"])
     personal = {}
     for device in (CPU, CUDA):
-        torch.manual_seed(0)
-        model = FedPACNet(1, 28, 10).to(device)
-        x, y = (t.to(device) for t in _task())
-        data = LocalData(x, y, x, y)
+        model, data = _site_on(device)
         for server_round in (1, 2):
             routine.local_update(model, data, Received(server_round=server_round), cfg,
                                  torch.Generator().manual_seed(server_round))
         personal[device.type] = routine.before_evaluation(model, data, cfg, torch.Generator().manual_seed(3))
-    assert all(q.device.type == "cuda" for q in personal["cuda"].parameters())
-    for (name, a), b in zip(personal["cpu"].state_dict().items(), personal["cuda"].state_dict().values()):
-        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=name)
+    _assert_gpu_matches_cpu(personal["cuda"], personal["cpu"])
 
 
 def test_fedbabus_head_stays_and_its_fine_tuned_copy_on_the_gpu_matches_the_cpu():
@@ -156,17 +164,12 @@ def test_fedbabus_head_stays_and_its_fine_tuned_copy_on_the_gpu_matches_the_cpu(
     routine = client_routine(METHODS["fedbabu"])
     tuned = {}
     for device in (CPU, CUDA):
-        torch.manual_seed(0)
-        model = FedPACNet(1, 28, 10).to(device)
+        model, data = _site_on(device)
         head = {k: v.detach().clone() for k, v in model.head.state_dict().items()}
-        x, y = (t.to(device) for t in _task())
-        data = LocalData(x, y, x, y)
         routine.local_update(model, data, Received(), cfg, torch.Generator().manual_seed(1))
         assert all(torch.equal(head[k], v) for k, v in model.head.state_dict().items())
         received = {k: v.detach().clone() for k, v in model.state_dict().items()}
         tuned[device.type] = routine.before_evaluation(model, data, cfg, torch.Generator().manual_seed(3))
         assert all(torch.equal(received[k], v) for k, v in model.state_dict().items())
         assert not torch.equal(tuned[device.type].head.weight, model.head.weight)
-    assert all(q.device.type == "cuda" for q in tuned["cuda"].parameters())
-    for (name, a), b in zip(tuned["cpu"].state_dict().items(), tuned["cuda"].state_dict().values()):
-        torch.testing.assert_close(b.cpu(), a, rtol=2e-3, atol=2e-3, msg=name)
+    _assert_gpu_matches_cpu(tuned["cuda"], tuned["cpu"])
