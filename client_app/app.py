@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.supercore.utils import get_flwr_home
 
 from common import protocol as p
 from common.config import FedPACConfig, configured_method, parse_run_config
 from common.cpu import keep_freed_memory
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.drift import Drift, label_map
-from common.methods.client import LocalData, Received, SiteState, client_routine
-from common.model import FedPACNet, weights_digest
+from common.methods.base import Method
+from common.methods.client import (SITE_PARTS, LocalData, Received, SiteState, client_routine, only_parts,
+                                   site_model_state)
+from common.model import FedPACNet, initial_model, weights_digest
+from common.site_state import SiteStore, check_lineage
 from common.partition import client_split
 from common.training import evaluate_head, extract_features
 from common.training import evaluate as evaluate_model
@@ -134,10 +139,41 @@ def generalized_due(cfg: FedPACConfig, server_round: int) -> bool:
     return server_round == cfg.num_server_rounds and Drift.from_config(cfg).pattern != "none"
 
 
-def _model_from(state: p.NDArrays, cfg: FedPACConfig, device: torch.device) -> FedPACNet:
+@lru_cache(maxsize=4)
+def initial_state(cfg: FedPACConfig) -> p.NDArrays:
+    """The run's round-0 model, as the server builds it: a site's start for the parts it keeps."""
+    model = initial_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed)
+    return {key: value.numpy() for key, value in model.state_dict().items()}
+
+
+def _model_from(sections: p.Sections, kept: dict[str, p.NDArrays], method: Method, cfg: FedPACConfig,
+                device: torch.device) -> FedPACNet:
+    """The site's model: the parts its method shares as the server sent them, the others as the
+    site kept them (``common.methods.client.site_model_state``)."""
+    state = site_model_state(method, sections.get(p.MODEL, {}), kept.get(SITE_PARTS), lambda: initial_state(cfg))
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
     model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True)
     return model.to(device)
+
+
+def site_state_root(context: Context) -> Path:
+    """Where a site keeps what it never sends: under its node config's ``model-dir`` (a deployed
+    site's own folder), else under Flower's home on its machine (a simulation). Never a path the
+    run config or the server names."""
+    model_dir = str(context.node_config.get("model-dir", ""))
+    return Path(model_dir) / "site-state" if model_dir else get_flwr_home() / "fedpac-site-state"
+
+
+def site_store(msg: Message, context: Context, method: Method) -> SiteStore | None:
+    """The site's store for this run's lineage (``common.site_state``), when its method keeps
+    anything at the site."""
+    if not method.keeps_anything_at_site:
+        return None
+    config = msg.content.config_records[p.CONFIG]
+    if p.LINEAGE_RUNS not in config or p.LINEAGE_STARTS not in config:
+        raise ValueError(f"the server sent no run lineage; {method.name} keeps parts of its model at the site")
+    lineage = check_lineage(list(config[p.LINEAGE_RUNS]), list(config[p.LINEAGE_STARTS]))  # type: ignore[arg-type]
+    return SiteStore(site_state_root(context), partition_of(context)[0], lineage)
 
 
 def server_round_of(msg: Message) -> int:
@@ -163,13 +199,9 @@ def evaluate_round_of(msg: Message, server_round: int) -> int | None:
 def _setup(msg: Message, context: Context):
     keep_freed_memory()  # once per process: no page faults for every batch's tensors
     cfg = parse_run_config(context.run_config)
-    partition_id, num_partitions = partition_of(context)
+    partition_id, _ = partition_of(context)
     device = select_device(cfg.device)
-    sections = p.sections_of(msg.content)
-    if p.MODEL not in sections:
-        raise ValueError(f"the server's message has no '{p.MODEL}' arrays")
-    model = _model_from(sections[p.MODEL], cfg, device)
-    return cfg, partition_id, num_partitions, device, model, sections
+    return cfg, partition_id, device, p.sections_of(msg.content)
 
 
 def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> torch.Generator:
@@ -189,36 +221,45 @@ def train(msg: Message, context: Context) -> Message:
     in the reply's ``evaluation`` record.
     """
     started = time.perf_counter()
-    cfg, partition_id, num_partitions, device, model, sections = _setup(msg, context)
+    cfg, partition_id, device, sections = _setup(msg, context)
+    method = configured_method(cfg)
     server_round = server_round_of(msg)
     evaluate_round = evaluate_round_of(msg, server_round)
+    store = site_store(msg, context, method)
+    kept = store.load(server_round - 1) if store is not None else {}
+    model = _model_from(sections, kept, method, cfg, device)
     evaluation = None
     if evaluate_round is not None:
-        evaluation = _evaluation(model, cfg, context, evaluate_round)
+        evaluation = _evaluation(model, cfg, context, evaluate_round, kept)
         started = time.perf_counter()
-    data = _local_data(cfg, context, device, server_round)
+    data = _local_data(cfg, context, device, server_round, kept)
     received = Received(server_round=server_round, sections={k: v for k, v in sections.items() if k != p.MODEL},
                         config=dict(msg.content.config_records[p.CONFIG]))
-    routine = client_routine(configured_method(cfg))
-    result = routine.local_update(model, data, received, cfg, _generator(cfg, server_round, partition_id))
+    generator = _generator(cfg, server_round, partition_id)
+    result = client_routine(method).local_update(model, data, received, cfg, generator)
 
     metrics = MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: result.num_examples,
                             p.TRAIN_LOSS: result.train_loss, **result.metrics,
                             "train-seconds": time.perf_counter() - started})
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
-    content = RecordDict({p.ARRAYS: p.pack({p.MODEL: state, p.STATISTICS: result.statistics}),
+    if store is not None:
+        store.save(server_round, {**data.state.kept, SITE_PARTS: only_parts(state, method.site_parts)})
+    shared = only_parts(state, method.shared_parts)
+    content = RecordDict({p.ARRAYS: p.pack({p.MODEL: shared, p.STATISTICS: result.statistics}),
                           p.METRICS: metrics})
     if evaluation is not None:
         content[p.EVALUATION] = evaluation
     return Message(content=content, reply_to=msg)
 
 
-def _local_data(cfg: FedPACConfig, context: Context, device: torch.device, server_round: int) -> LocalData:
-    """The client's data on ``device``, labels in its concept of ``server_round``."""
+def _local_data(cfg: FedPACConfig, context: Context, device: torch.device, server_round: int,
+                kept: dict[str, p.NDArrays]) -> LocalData:
+    """The client's data on ``device``, labels in its concept of ``server_round``, and what it
+    kept at the site."""
     partition_id, num_partitions = partition_of(context)
     x, y, x_test, y_test = client_tensors(cfg, partition_id, num_partitions, device, data_path_of(context))
     return LocalData(x, current_concept(y, cfg, partition_id, server_round),
-                     x_test, current_concept(y_test, cfg, partition_id, server_round), SiteState(context.state))
+                     x_test, current_concept(y_test, cfg, partition_id, server_round), SiteState(kept))
 
 
 def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int,
@@ -242,13 +283,19 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalized accuracy of the model the server sent for this client (:func:`_evaluation`)."""
-    cfg, _, _, _, model, _ = _setup(msg, context)
-    metrics = _evaluation(model, cfg, context, server_round_of(msg))
+    cfg, _, device, sections = _setup(msg, context)
+    method = configured_method(cfg)
+    server_round = server_round_of(msg)
+    store = site_store(msg, context, method)
+    kept = store.load(server_round) if store is not None else {}
+    metrics = _evaluation(_model_from(sections, kept, method, cfg, device), cfg, context, server_round, kept)
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)
 
 
-def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int) -> MetricRecord:
-    """Personalized accuracy after ``server_round``: ``model`` on the client's own test split.
+def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_round: int,
+                kept: dict[str, p.NDArrays]) -> MetricRecord:
+    """Personalized accuracy after ``server_round``: ``model`` on the client's own test split
+    (``kept``: what the site kept after that round).
 
     ``model`` is the global extractor with the client's combined head (FedPAC), its own head
     (FedPer, FedRep, alignment-only), the global model (FedAvg), or its own model (Local-only).
@@ -261,7 +308,7 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     started = time.perf_counter()
     partition_id, _ = partition_of(context)
     device = next(model.parameters()).device
-    data = _local_data(cfg, context, device, server_round)
+    data = _local_data(cfg, context, device, server_round, kept)
     model = client_routine(configured_method(cfg)).before_evaluation(
         model, data, cfg, _generator(cfg, server_round, partition_id, purpose=1))
     loss, accuracy = evaluate_model(model, data.x_test, data.y_test)

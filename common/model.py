@@ -62,6 +62,20 @@ class FedPACNet(nn.Module):
         return self.head(self.extractor(x))
 
 
+def initial_model(in_channels: int, image_size: int, num_classes: int, seed: int) -> FedPACNet:
+    """The run's round-0 model: the same for a given seed on every machine, so that a site can
+    build for itself the parts of it that its method never sends (``Rule.LOCAL``). Torch's global
+    random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return FedPACNet(in_channels, image_size, num_classes)
+
+
+def part_of(key: str) -> str:
+    """The model part (``extractor`` or ``head``) a state-dict key belongs to."""
+    return key.split(".", 1)[0]
+
+
 def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Split a full state dict into (extractor, head) parts, keys kept as they are."""
     extractor = {k: v for k, v in state.items() if k.startswith(EXTRACTOR_PREFIX)}

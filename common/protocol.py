@@ -88,6 +88,10 @@ V = "v"
 SERVER_ROUND = "server-round"
 EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries
 HAS_PERSONAL_HEAD = "has-personal-head"
+# The run's lineage (``common.site_state.Lineage``) in every train and evaluate message: where a
+# site finds what it kept in this run and in the runs it continues.
+LINEAGE_RUNS = "lineage-runs"
+LINEAGE_STARTS = "lineage-starts"
 HEAD_WEIGHT = "head.weight"  # the head's keys in ``arrays`` (common.model's head.*)
 HEAD_BIAS = "head.bias"
 BALANCED_WEIGHT = "balanced-head.weight"

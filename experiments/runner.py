@@ -350,13 +350,9 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
         for stalled in passed_over:
             log(f"{prefix}: not continuing the stalled run {stalled.directory.name} (its last rounds "
                 f"had too few training replies: {stalled.status.get('error', '')[:160]})")
-        if start is not None and not _continues_exactly(cell):
-            log(f"{prefix}: not resuming the stopped run {start.directory.name}: {cell.method}'s sites keep "
-                "state that a resumed run starts over; from round 1")
-            start = None
-        elif start is not None:
+        if start is not None:
             log(f"{prefix}: resuming after round {start.completed_rounds}/{cell.rounds} from {start.directory.name}")
-        elif extend and _continues_exactly(cell) and (start := extension_source(out, cell)) is not None:
+        elif extend and (start := extension_source(out, cell)) is not None:
             log(f"{prefix}: extending the finished {start.completed_rounds}-round run "
                 f"{start.directory.parent.name}/{start.directory.name} to {cell.rounds} rounds")
         elif extend and last_round_differs(cell.identity["config"]):
@@ -391,18 +387,10 @@ def run_grid(  # pylint: disable=too-many-locals,too-many-arguments
 def _head_start(out: Path, cell: Cell, extend: bool) -> int:
     """The rounds an unfinished cell will not train again: its stopped run's, or with ``extend``
     the shorter run it continues."""
-    if not _continues_exactly(cell):
-        return 0
     start = resumable_run(cell_directory(out, cell), cell)
     if start is None and extend:
         start = extension_source(out, cell)
     return start.completed_rounds if start is not None else 0
-
-
-def _continues_exactly(cell: Cell) -> bool:
-    """Whether a cell may continue a stopped or shorter run: not when its method's sites keep
-    state the checkpoint does not hold (Ditto's personal models), which a resumed run starts over."""
-    return not METHODS[cell.method].keeps_site_state
 
 
 def _pace_setting(planned: PlannedCell) -> str:
@@ -417,10 +405,9 @@ def describe(experiments: list[Experiment], out: Path, log: Callable[[str], None
     cells = plan(experiments)
     for index, planned in enumerate(cells, start=1):
         directory = stored_directory(out, planned.cell)
-        continues = _continues_exactly(planned.cell)
         done = finished_run(directory, planned.cell)
-        partial = resumable_run(directory, planned.cell) if continues else None
-        shorter = extension_source(out, planned.cell) if extend and continues and not (done or partial) else None
+        partial = resumable_run(directory, planned.cell)
+        shorter = extension_source(out, planned.cell) if extend and not (done or partial) else None
         state = ("finished" if done else f"resumable after round {partial.completed_rounds}" if partial
                  else f"to run, extending the finished {shorter.completed_rounds}-round run "
                       f"{shorter.directory.parent.name}/{shorter.directory.name}" if shorter

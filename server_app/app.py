@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from dataclasses import asdict, fields
-from logging import ERROR, INFO, WARNING
+from logging import ERROR, INFO
 from pathlib import Path
 
-import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
@@ -20,6 +20,7 @@ from common.config import ConfigError, FedPACConfig, configured_method, dataset_
 from common.drift import drift_fields_free
 from common.methods.server import server_part
 from common.model import FedPACNet, split_state
+from common.model import initial_model as seeded_model
 from common.partition import dominant_class_groups
 from common.sites import PartitionMap, SiteRegistry
 from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
@@ -32,9 +33,8 @@ app = ServerApp()
 
 
 def initial_model(cfg: FedPACConfig) -> FedPACNet:
-    """The round-0 model, identical for a given seed."""
-    torch.manual_seed(cfg.seed)
-    return FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
+    """The round-0 model, identical for a given seed (``common.model.initial_model``)."""
+    return seeded_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed)
 
 
 def run_directory(cfg: FedPACConfig, run_id: int) -> Path:
@@ -171,6 +171,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
         max_weight_ratio=cfg.max_weight_ratio,
         seed=cfg.seed,
         sites=SiteRegistry(PartitionMap.parse(cfg.partition_map), trusted_claims=is_simulation(grid)),
+        run_key=f"{directory.name}-{uuid.uuid4().hex[:12]}",  # run ids repeat across SuperLinks
     )
     if isinstance(grid, ResponsiveGrid):  # a sealed reply is measured before it is opened
         grid.reply_limit = strategy.max_reply_bytes
@@ -178,10 +179,6 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
         strategy.restore(checkpoint)
         report.rounds = list(checkpoint.rounds)
         log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
-        if server.method.keeps_site_state:
-            log(WARNING, "%s's sites keep state the server does not hold; this resumed run is a new run to "
-                "them and they start it over, so it does not continue the interrupted run exactly",
-                cfg.strategy)
 
     def end_of_round(record: RoundRecord) -> None:
         checkpoint = Checkpoint(
@@ -192,6 +189,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
             seed=cfg.seed,
             strategy=cfg.strategy,
             config=asdict(cfg),
+            lineage=strategy.lineage if server.method.keeps_anything_at_site else (),
         )
         write_round_outputs(report, record, checkpoint)
         write_status("running", record.round)

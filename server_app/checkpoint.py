@@ -28,6 +28,7 @@ import numpy as np
 from common import protocol as p
 from common.files import atomic_write, npz_bytes
 from common.methods.server import ServerState
+from common.site_state import Lineage, check_lineage
 from server_app.report import RoundRecord, record_fields
 
 FILE_NAME = "checkpoint.npz"
@@ -54,6 +55,9 @@ class Checkpoint:
     seed: int
     strategy: str = "fedpac"  # the method (run config `strategy`)
     config: dict = field(default_factory=dict)  # the validated run config (empty: older checkpoints)
+    # the run and the runs it continued, each with its first round (``common.site_state``;
+    # empty: older checkpoints, or a method that keeps nothing at the site)
+    lineage: Lineage = ()
 
 
 def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
@@ -71,6 +75,7 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
         "strategy": checkpoint.strategy,
         "config": checkpoint.config,
         "rounds": [record_fields(r) for r in checkpoint.rounds],
+        "lineage": [list(entry) for entry in checkpoint.lineage],
     }
     arrays["meta"] = np.array(json.dumps(meta))
     path = directory / FILE_NAME
@@ -130,7 +135,15 @@ def _unpacked(arrays: dict[str, np.ndarray], meta: dict) -> Checkpoint:
         seed=int(meta["seed"]),
         strategy=str(meta.get("strategy", "fedpac")),  # checkpoints from before the baselines
         config=dict(meta.get("config", {})),
+        lineage=_lineage(meta.get("lineage", [])),
     )
+
+
+def _lineage(entries: list) -> Lineage:
+    """The stored lineage, checked as a site checks it (``ValueError`` when malformed)."""
+    if not entries:
+        return ()
+    return check_lineage([run for run, _ in entries], [start for _, start in entries])
 
 
 def _state(arrays: dict[str, np.ndarray]) -> ServerState:

@@ -10,7 +10,8 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from common import protocol as p
-from common.methods.server import ServerPart, Update
+from common.methods.server import EXTRACTOR, HEAD, ServerPart, Update
+from common.model import part_of
 from common.validation import InvalidReply, finite_as, metric, sample_count
 
 
@@ -127,7 +128,9 @@ def _partition_id(metrics, num_partitions: int | None) -> int:
 
 def _check_arrays(arrays: p.NDArrays, template: p.NDArrays, what: str) -> p.NDArrays:
     if set(arrays) != set(template):
-        raise InvalidReply(f"{what} keys differ from the model's")
+        extra, missing = sorted(set(arrays) - set(template)), sorted(set(template) - set(arrays))
+        raise InvalidReply(f"{what} keys differ from the model's: {len(extra)} extra {extra[:3]}, "
+                           f"{len(missing)} missing {missing[:3]}")
     for key, value in arrays.items():
         if value.shape != template[key].shape:
             raise InvalidReply(f"{what} '{key}' has shape {value.shape}, expected {template[key].shape}")
@@ -165,21 +168,29 @@ def parse_train_reply(
 ) -> ClientUpdate:
     """Decode a training reply, checking shapes, finiteness and counts: the model and the metrics
     every method sends here, the method's statistics and metrics by its server part
-    (``ServerPart.statistics_shapes``, ``ServerPart.check``). A method that needs no statistics
-    (FedAvg, FedPer, FedRep, Local-only) must not send any."""
+    (``ServerPart.statistics_shapes``, ``ServerPart.check``). A reply carries nothing its
+    method's server step does not use: no statistics for a method that needs none (FedAvg, FedPer,
+    FedRep, Local-only), no model part its method keeps at the site (``Method.site_parts``)."""
     if msg.has_error():
         raise InvalidReply(f"client error: {msg.error.reason}")
     expected = server.statistics_shapes()
     _check_shape_of_reply(msg, TRAIN_RECORDS)
     metrics = _get(msg, p.METRICS)
     partition_id = _partition_id(metrics, num_partitions)
+    shared = server.method.shared_parts
     sections = _sections(msg, frozenset({p.MODEL, p.STATISTICS}) if expected else frozenset({p.MODEL}))
-    arrays = _section(sections, p.MODEL)
-    extractor_template, head_template = server.extractor_template, server.head_template
-    extractor = _check_arrays(
-        {k: v for k, v in arrays.items() if k in extractor_template}, extractor_template, "extractor"
-    )
-    head = _check_arrays({k: v for k, v in arrays.items() if k not in extractor_template}, head_template, "head")
+    arrays = _section(sections, p.MODEL) if shared else sections.get(p.MODEL, {})
+    kept_at_site = sorted({part_of(key) for key in arrays} & set(server.method.site_parts))
+    if kept_at_site:
+        raise InvalidReply(f"the reply carries the {' and '.join(kept_at_site)}, which "
+                           f"{server.method.name} keeps at the site")
+    unexpected = sorted(key for key in arrays if part_of(key) not in shared)
+    if unexpected:
+        raise InvalidReply(f"unexpected model array(s) {unexpected[:3]}")
+    templates = {EXTRACTOR: server.extractor_template, HEAD: server.head_template}
+    model = {part: _check_arrays({k: v for k, v in arrays.items() if part_of(k) == part}, templates[part], part)
+             for part in shared}
+    extractor, head = model.get(EXTRACTOR, {}), model.get(HEAD, {})
     stats = _parse_statistics(sections, expected)
     num_examples = sample_count(metric(metrics, p.NUM_EXAMPLES), p.NUM_EXAMPLES)
     _check_sample_bound(num_examples, max_samples)

@@ -17,6 +17,7 @@ pre-flight, the binding) is ``server_app.federation``'s.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -29,6 +30,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.averaging import capped_sample_weights
 from common.methods.server import EXTRACTOR, ServerPart, ServerState
+from common.site_state import Lineage
 from common.sites import SiteRegistry
 from server_app import federation
 from server_app.federation import SiteBinding
@@ -111,6 +113,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         seed: int = 0,
         sites: SiteRegistry | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
+        run_key: str | None = None,
     ) -> None:
         SiteBinding.__init__(self, sites, min_available_nodes, max_samples_per_client)
         self.server = server
@@ -131,6 +134,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         # Rounds finished before this strategy started (a resumed run): Flower's loop counts
         # from 1, sampling and seeds use the run's absolute round number.
         self.round_offset = 0
+        # This run and the runs it continues (``common.site_state``): where each site finds what
+        # it kept. The key names a folder at every site, so it is unique to the run.
+        self.lineage: Lineage = ((run_key or f"run-{uuid.uuid4().hex}", 1),)
         self._record: RoundRecord | None = None
         # Fused evaluation: the last round, trained and aggregated, whose evaluation comes back
         # with the next round's training replies.
@@ -175,6 +181,14 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
                       for section, parts in checkpoint.state.personal.items()},
         )
         self.round_offset = checkpoint.completed_rounds
+        self.lineage = (*checkpoint.lineage, (self.lineage[-1][0], checkpoint.completed_rounds + 1))
+        home = sorted(set(self.server.method.site_parts) & set(self.state.personal))
+        if home:
+            # a checkpoint written when the server still kept these parts: the sites never had them
+            log(WARNING, "The checkpoint holds every client's %s, which %s now keeps at the site; the sites "
+                "do not have them and start them over from round 0's", " and ".join(home), self.server.method.name)
+            for section in home:
+                del self.state.personal[section]
         problem = self._state_problem()
         if problem:
             raise CheckpointError(f"checkpoint is malformed ({problem}): it does not hold the state a "
@@ -191,7 +205,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
                 return f"no section '{section}'"
             if {k: v.shape for k, v in found.items()} != {k: v.shape for k, v in arrays.items()}:
                 return f"section '{section}' holds {sorted(found)} with other shapes than {sorted(arrays)}"
-        template = {k: v.shape for k, v in {**self.server.extractor_template, **self.server.head_template}.items()}
+        template = {k: v.shape for k, v in self.server.reply_template().items()}
         partitions = {pid for parts in self.state.personal.values() for pid in parts}
         for pid in sorted(partitions | {None}, key=lambda pid: -1 if pid is None else pid):
             try:
@@ -221,6 +235,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         for node_id in node_ids:
             # A fresh record per node: nothing mutable is shared between messages.
             config = ConfigRecord({p.SERVER_ROUND: server_round})
+            if self.server.method.keeps_anything_at_site:
+                config[p.LINEAGE_RUNS] = [run for run, _ in self.lineage]
+                config[p.LINEAGE_STARTS] = [start for _, start in self.lineage]
             if evaluate_round is not None:
                 config[p.EVALUATE_ROUND] = evaluate_round
             pid = self.node_partition.get(node_id)

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 # one thread per pytest-xdist worker (make test-fast runs one worker per core), two otherwise
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+# What the in-process sites keep between rounds (client_app.app.site_state_root) lands in this
+# session's own Flower home, not the user's; a test that starts Flower's processes gives them one.
+os.environ["FLWR_HOME"] = tempfile.mkdtemp(prefix="fedpac-tests-flwr-home-")
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -22,6 +22,10 @@ class Traits:
     local_evaluation: bool = False  # pFedVEM's own measure: the locally trained model's accuracy
     global_head: bool = False  # one head on the server: FedAvg's average, pFedVEM's prior mean
     fixed_head: bool = False  # the head is never trained: the initial one throughout (FedBABU)
+    # the model parts no server step uses, which stay at the site: FedPer's and FedRep's head
+    # (the personal layers), Local-only's whole model, the alignment-only ablation's head
+    kept_at_site: tuple[str, ...] = ()
+    site_state: tuple[str, ...] = ()  # what the client part keeps between rounds: Ditto's personal model
 
     @property
     def sends_statistics(self) -> bool:
@@ -31,11 +35,15 @@ class Traits:
 def traits(method: Method) -> Traits:
     if isinstance(method, FedPAC):
         return Traits(statistics=method.collaborate, centroids=method.align,
-                      class_counts=method.align or method.collaborate)
+                      class_counts=method.align or method.collaborate,
+                      kept_at_site=() if method.collaborate else ("head",))
     if isinstance(method, FedCCFA):
         return Traits(centroids=True, class_counts=True, balanced_head=True)
     if isinstance(method, PFedVEM):
         return Traits(posteriors=True, local_evaluation=True, global_head=True)
     if isinstance(method, FedBABU):
         return Traits(global_head=True, fixed_head=True)
-    return Traits(global_head=method.head is Rule.AVERAGE)  # the baselines, FedProx, Ditto
+    kept_at_site = {"local": ("extractor", "head"), "fedper": ("head",), "fedrep": ("head",)}.get(method.name, ())
+    site_state = ("ditto-personal-model",) if method.name == "ditto" else ()
+    # the baselines, FedProx, Ditto
+    return Traits(global_head=method.head is Rule.AVERAGE, kept_at_site=kept_at_site, site_state=site_state)

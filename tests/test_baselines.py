@@ -8,6 +8,8 @@ each method sends and accepts only the records its server step uses.
 
 import json
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,14 +17,17 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from client_app.app import app as client_app
+from client_app.app import client_tensors
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
 from common.methods import METHODS, Rule
-from common.methods.client import ClientResult, LocalData, Received, client_routine
+from common.methods.client import SITE_PARTS, ClientResult, LocalData, Received, client_routine
 from common.methods.fedpac.server import CENTROIDS
 from common.methods.pfedvem.server import SCALE
 from common.methods.server import EXTRACTOR, HEAD, server_part
-from common.model import HEAD_PREFIX, FedPACNet, split_state
+from common.model import HEAD_PREFIX, FedPACNet, part_of, split_state
+from common.training import evaluate
+from common.site_state import SiteStore
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
@@ -112,24 +117,36 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
     assert (run_dir / "accuracy.png").exists() and (run_dir / "final_state.npz").exists()
     checkpoint = load_checkpoint(run_dir)
     assert checkpoint.strategy == name and checkpoint.completed_rounds == 2
-    # the server state that the method keeps, keyed by partition-id
+    # the server state that the method keeps, keyed by partition-id; what its sites keep at home
     initial_extractor, initial_head = split_state(
         {k: v.numpy() for k, v in initial_model(parse_run_config(config)).state_dict().items()})
     state = strategy.state
-    if method.extractor is Rule.LOCAL:
-        assert sorted(state.personal[EXTRACTOR]) == [0, 1, 2]
-        assert sorted(checkpoint.state.personal[EXTRACTOR]) == [0, 1, 2]
-    else:
-        assert not state.personal.get(EXTRACTOR)
+    assert not state.personal.get(EXTRACTOR) and not checkpoint.state.personal.get(EXTRACTOR)
+    if method.extractor is not Rule.LOCAL:
         assert not np.array_equal(strategy.extractor["extractor.0.weight"], initial_extractor["extractor.0.weight"])
     if method.head is Rule.AVERAGE:
         assert not state.personal.get(HEAD) and HEAD in checkpoint.state.shared
         for key, initial in initial_head.items():  # FedBABU's head never trains: the initial one, bit for bit
             assert np.array_equal(state.shared[HEAD][key], initial) == traits(method).fixed_head, key
+    elif method.head is Rule.LOCAL:
+        assert not state.personal.get(HEAD) and HEAD not in checkpoint.state.shared
     else:
         assert sorted(state.personal[HEAD]) == [0, 1, 2]
         assert (HEAD in checkpoint.state.shared) == traits(method).global_head
     assert sorted(checkpoint.state.personal.get(SCALE, {})) == ([0, 1, 2] if traits(method).posteriors else [])
+    # a part kept at the site never travels, either way, and the site has it after the last round
+    kept_at_site = traits(method).kept_at_site
+    for message in [*train_messages, *recorder.train.values()]:
+        content = message.content if isinstance(message, Message) else message
+        travelled = {part_of(key) for key in p.sections_of(content).get(p.MODEL, {})}
+        assert travelled == {"extractor", "head"} - set(kept_at_site)
+    final = np.load(run_dir / "final_state.npz")
+    assert not [key for key in final.files if key.split("/")[-2] in kept_at_site and key.startswith("client-")]
+    for pid in range(3):
+        kept = SiteStore(Path(os.environ["FLWR_HOME"]) / "fedpac-site-state", pid, strategy.lineage).load(2)
+        assert set(kept) == ({SITE_PARTS} if kept_at_site else set()) | set(traits(method).site_state)
+        if kept_at_site:
+            assert {part_of(key) for key in kept[SITE_PARTS]} == set(kept_at_site)
 
 
 # ---------------------------------------------------------------------------- FedAvg
@@ -207,48 +224,56 @@ def test_fedavg_rejects_statistics_it_did_not_ask_for_and_fedpac_collab_requires
 
 
 @pytest.mark.parametrize("name", ["fedper", "fedrep", "fedpac-none", "fedpac-align"])
-def test_heads_stay_local_and_each_client_gets_exactly_its_own_head_back(name):
+def test_heads_stay_at_the_sites_and_each_site_evaluates_with_its_own(name):
     config = _config(name)
     strategy, extractor = _strategy(config)
     recorder = Recorder()
     grid = InProcessGrid(config, 4, tamper=recorder, shuffle_replies=True)
-    _, (new_arrays, _) = _train_round(strategy, grid, extractor)
+    messages, (new_arrays, _) = _train_round(strategy, grid, extractor)
 
+    # no head travels, either way, and the server keeps none
     trained = {pid: p.sections_of(content)[p.MODEL] for pid, content in recorder.train.items()}
     assert sorted(trained) == [0, 1, 2, 3]
-    assert not np.allclose(trained[0]["head.weight"], trained[1]["head.weight"])  # a real test
-    for pid, arrays in trained.items():
-        for key in ("head.weight", "head.bias"):
-            np.testing.assert_array_equal(strategy.state.personal[HEAD][pid][key], arrays[key])
+    for arrays in [*trained.values(), *(p.sections_of(m.content)[p.MODEL] for m in messages)]:
+        assert not [key for key in arrays if key.startswith(HEAD_PREFIX)]
+    assert not strategy.state.personal
     # the extractor is still shared: the sample-weighted mean of the replies' extractors
     n = {pid: content[p.METRICS][p.NUM_EXAMPLES] for pid, content in recorder.train.items()}
     for key, value in p.from_record(new_arrays).items():
         expected = sum(n[pid] * trained[pid][key].astype(np.float64) for pid in trained) / sum(n.values())
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
-    # next round, each node receives the global extractor and exactly its own head
-    for phase in (strategy.configure_evaluate, strategy.configure_train):
-        for msg in phase(2, new_arrays, ConfigRecord(), grid):
-            pid = grid.partition_of_node[msg.metadata.dst_node_id]
-            sent = p.sections_of(msg.content)[p.MODEL]
-            np.testing.assert_array_equal(sent["head.weight"], trained[pid]["head.weight"])
-            np.testing.assert_array_equal(sent["extractor.0.weight"], p.from_record(new_arrays)["extractor.0.weight"])
+    # each site kept the head it trained, and evaluates the global extractor with it
+    root = Path(os.environ["FLWR_HOME"]) / "fedpac-site-state"
+    heads = {pid: SiteStore(root, pid, strategy.lineage).load(1)[SITE_PARTS] for pid in range(4)}
+    assert not np.allclose(heads[0]["head.weight"], heads[1]["head.weight"])  # a real test
+    cfg = parse_run_config(config)
+    replies = grid.send_and_receive(strategy.configure_evaluate(1, new_arrays, ConfigRecord(), grid))
+    assert len(replies) == 4
+    for reply in replies:
+        metrics = reply.content[p.METRICS]
+        pid = int(metrics[p.PARTITION_ID])
+        model = FedPACNet(1, 28, 10)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in {**p.from_record(new_arrays), **heads[pid]}.items()})
+        _, _, x_test, y_test = client_tensors(cfg, pid, 4, torch.device("cpu"))
+        assert metrics["accuracy"] == evaluate(model, x_test, y_test)[1]
 
 
-def test_local_only_keeps_every_whole_model_local():
+def test_local_only_keeps_every_whole_model_at_the_site():
     config = _config("local")
     strategy, extractor = _strategy(config)
     recorder = Recorder()
     grid = InProcessGrid(config, 3, tamper=recorder)
-    _, (new_arrays, _) = _train_round(strategy, grid, extractor)
+    messages, (new_arrays, _) = _train_round(strategy, grid, extractor)
     for key, value in p.from_record(new_arrays).items():  # nothing is averaged
         np.testing.assert_array_equal(value, extractor[key])
-    for msg in strategy.configure_train(2, new_arrays, ConfigRecord(), grid):
-        pid = grid.partition_of_node[msg.metadata.dst_node_id]
-        sent = p.sections_of(msg.content)[p.MODEL]
-        own = p.sections_of(recorder.train[pid])[p.MODEL]
-        assert set(sent) == set(own)
-        for key, value in own.items():
-            np.testing.assert_array_equal(sent[key], value)
+    # no model travels, either way: the reply is its sample count and losses
+    assert all(p.MODEL not in p.sections_of(m.content) for m in messages)
+    assert all(not p.sections_of(content) for content in recorder.train.values()) and len(recorder.train) == 3
+    root = Path(os.environ["FLWR_HOME"]) / "fedpac-site-state"
+    for pid in range(3):
+        kept = SiteStore(root, pid, strategy.lineage).load(1)[SITE_PARTS]
+        assert set(kept) == set(extractor) | {"head.weight", "head.bias"}
+        assert not np.array_equal(kept["extractor.0.weight"], extractor["extractor.0.weight"])
 
 
 # ---------------------------------------------------------------------------- client side

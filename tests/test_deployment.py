@@ -184,37 +184,50 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
         assert info["round"] == 3 and info["accuracy"] == pytest.approx(float(last[("3", str(pid))][0]), abs=0)
 
 
-def test_pfedvem_posteriors_survive_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch):
-    """pFedVEM's client state in a real deployment: two rounds, SuperNode 2 killed and restarted,
-    the server stopped and resumed from its checkpoint for rounds 3 and 4. The posteriors live on
-    the server by partition-id, so the restarted node trains from the posterior it had, and the
-    run ends with the uninterrupted simulation's model and posteriors bit for bit (a node that
-    had started over from the prior would not)."""
+def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch):
+    """Client state in a real deployment, for pFedVEM (its posteriors live on the server, by
+    partition-id) and FedPer (its heads stay at the sites, on their disk, and never travel): two
+    rounds, SuperNode 2 killed and restarted, the server stopped and resumed from its checkpoint
+    for rounds 3 and 4. Every site's accuracy and loss in every round, and the final model, are
+    the uninterrupted simulation's, bit for bit (a node that had started over from the prior, or
+    from round 0's head, would not)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
-    config = {"strategy": "'pfedvem'", "samples-per-client": 100, "test-samples-per-client": 50,
-              "local-epochs": 1, "vem-head-steps": 2, "vem-mc-samples": 2, "min-available-clients": 3}
-    simulated = tmp_path / "simulated"
-    _simulate({**config, "strategy": "pfedvem", "num-server-rounds": 4}, simulated)
+    common = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
+              "min-available-clients": 3}
+    methods = {"pfedvem": {"vem-head-steps": 2, "vem-mc-samples": 2}, "fedper": {}}
+    for method, knobs in methods.items():
+        _simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4}, tmp_path / f"simulated-{method}")
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    settings = " ".join(f"{k}={v}" for k, v in config.items())
     try:
         federation.register(0, 1, 2)
         for pid in range(3):
             federation.start_node(pid)
-        run_id = federation.submit(f"{settings} num-server-rounds=2 output-dir='{first}'")
-        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
-        federation.signal_node(2, signal.SIGKILL)
-        federation.start_node(2)
-        run_id = federation.submit(
-            f"{settings} num-server-rounds=4 resume-from='{run_dir(first)}' output-dir='{resumed}'")
-        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        for method, knobs in methods.items():
+            first, resumed = tmp_path / f"first-{method}", tmp_path / f"resumed-{method}"
+            settings = " ".join(f"{k}={v}" for k, v in {**common, **knobs, "strategy": f"'{method}'"}.items())
+            run_id = federation.submit(f"{settings} num-server-rounds=2 output-dir='{first}'")
+            assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+            federation.signal_node(2, signal.SIGKILL)
+            federation.start_node(2)
+            run_id = federation.submit(
+                f"{settings} num-server-rounds=4 resume-from='{run_dir(first)}' output-dir='{resumed}'")
+            assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
     finally:
         federation.close()
-    assert [int(r["round"]) for r in rounds_of(resumed)] == [1, 2, 3, 4]
-    assert all(int(r["num_trained"]) == 3 for r in rounds_of(resumed))
-    arrays = _assert_same_final_state(simulated, resumed)
-    assert {f"client-{pid}/scale/head.weight" for pid in range(3)} <= set(arrays)
+    measured = ("accuracy", "test_loss", "train_loss", "num_examples")
+    for method in methods:
+        simulated, resumed = tmp_path / f"simulated-{method}", tmp_path / f"resumed-{method}"
+        assert [int(r["round"]) for r in rounds_of(resumed)] == [1, 2, 3, 4]
+        assert all(int(r["num_trained"]) == 3 for r in rounds_of(resumed))
+        assert _per_client(resumed, *measured) == _per_client(simulated, *measured), method
+        arrays = _assert_same_final_state(simulated, resumed)
+        if method == "pfedvem":
+            assert {f"client-{pid}/scale/head.weight" for pid in range(3)} <= set(arrays)
+        else:  # the heads: at each site, in its model folder, and nowhere on the server
+            assert not [key for key in arrays if key.startswith("client-")]
+            for pid in range(3):
+                kept = tmp_path / "deployed" / "models" / f"client-{pid}" / "site-state"
+                assert sorted(f.name for f in kept.glob(f"*/partition-{pid}/round-*.npz"))
 
 
 def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_path):

@@ -115,13 +115,12 @@ def test_ditto_continues_the_personal_model_it_kept_and_evaluates_it():
     assert any(not np.array_equal(continued[k], restarted[k]) for k in continued)
 
 
-def test_the_site_state_lives_in_the_records_it_is_given():
-    from flwr.app import RecordDict  # pylint: disable=import-outside-toplevel
-
-    records = RecordDict()
-    SiteState(records).put("x", {"a": np.arange(3.0)})
-    np.testing.assert_array_equal(SiteState(records).get("x")["a"], np.arange(3.0))
-    assert SiteState(records).get("y") is None
+def test_the_site_state_holds_what_it_was_given_and_what_is_put():
+    state = SiteState({"x": {"a": np.arange(3.0)}})
+    np.testing.assert_array_equal(state.get("x")["a"], np.arange(3.0))
+    assert state.get("y") is None
+    state.put("y", {"b": np.ones(2)})
+    assert sorted(state.kept) == ["x", "y"]
 
 
 def test_the_settings_come_from_the_run_config_and_are_checked():

@@ -24,7 +24,9 @@ from common import protocol as p
 from common.config import parse_run_config
 from common.methods import METHODS
 from common.methods.baselines import Baseline
+from common.methods.client import SITE_PARTS
 from common.model import FedPACNet
+from common.site_state import SiteStore
 from common.training import evaluate as evaluate_model
 from federation import InProcessGrid
 from server_app.app import run_fedpac
@@ -117,15 +119,17 @@ def _run(config: dict, tmp_path, **grid_options):
     return strategy, report, grid, json.loads((run / "status.json").read_text()), run
 
 
-def server_model(final: dict[str, np.ndarray], pid: int, cfg) -> FedPACNet:
-    """The model the server's final state gives partition ``pid``: its own part where it keeps one
-    (``client-<pid>/<section>/...``), the global one otherwise (``<section>/...``)."""
+def server_model(final: dict[str, np.ndarray], pid: int, cfg, kept: dict[str, np.ndarray]) -> FedPACNet:
+    """The model the run gives partition ``pid``: the parts its site kept at home (``kept``), its
+    own part where the server keeps one (``client-<pid>/<section>/...``), the global one otherwise
+    (``<section>/...``)."""
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
     state = {}
     for key in model.state_dict():
         section = key.split(".")[0]  # extractor (extractor.*) or head (head.*)
         shared = f"{section}/{key}"
-        state[key] = torch.from_numpy(final.get(f"client-{pid}/{section}/{key}", final.get(shared)))
+        value = kept[key] if key in kept else final.get(f"client-{pid}/{section}/{key}", final.get(shared))
+        state[key] = torch.from_numpy(value)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -158,7 +162,10 @@ def test_every_site_saves_the_final_model_when_the_last_round_evaluates_a_sample
         if isinstance(method, Baseline) and method.finetune_before_evaluation:
             continue  # the site keeps the head it fine-tuned on its own data, which the server never sees
         # the site's model is the server's final state for it: the same weights, the same predictions
-        expected = server_model(final, pid, cfg)
+        site_root = tmp_path / "models" / f"site-{pid}" / "site-state"  # under the node's model-dir
+        kept = SiteStore(site_root, pid, strategy.lineage).load(1).get(SITE_PARTS, {})
+        assert bool(kept) == bool(method.site_parts)
+        expected = server_model(final, pid, cfg, kept)
         for key, value in expected.state_dict().items():
             assert torch.equal(model.state_dict()[key], value), key
         images = np.random.default_rng(pid).integers(0, 256, (16, cfg.image_size, cfg.image_size), dtype=np.uint8)

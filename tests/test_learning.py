@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -32,8 +34,10 @@ from client_app.app import _generator, client_tensors
 from common import protocol as p
 from common.config import FedPACConfig, configured_method, parse_run_config
 from common.methods import METHODS, Alignment
-from common.methods.client import LocalData, Received, SiteState, client_routine
+from common import site_state
+from common.methods.client import SITE_PARTS, LocalData, Received, SiteState, client_routine
 from common.model import EMBEDDING_DIM, FedPACNet
+from common.site_state import Lineage, SiteStore
 from common.training import evaluate, extract_features
 from federation import InProcessGrid
 from server_app.app import initial_model, run_fedpac
@@ -89,7 +93,12 @@ class Federation:
     cfg: FedPACConfig
     records: list[RoundRecord]  # per round, as the server recorded it
     grid: RecordingGrid
+    lineage: Lineage  # where its sites kept what they never sent, every round of it
     exchanges: list[tuple[Message, Message]] = field(default_factory=list)
+
+    def kept(self, pid: int, up_to: int) -> dict[str, p.NDArrays]:
+        """What site ``pid`` kept after round ``up_to`` (``common.site_state``)."""
+        return SiteStore(Path(os.environ["FLWR_HOME"]) / "fedpac-site-state", pid, self.lineage).load(up_to)
 
     @property
     def accuracy(self) -> list[dict[int, float]]:
@@ -133,21 +142,28 @@ def _federation(name: str, tmp_path_factory: pytest.TempPathFactory) -> Federati
         with pytest.MonkeyPatch.context() as patch:
             # the charts are not under test here and drawing them took a third of each run
             patch.setattr(RunReport, "paint", lambda self, rounds: None)
-            _, report = run_fedpac(cast(Grid, grid), cfg, 1)
+            patch.setattr(site_state, "KEPT_ROUNDS", ROUNDS)  # the sites keep every round, to be read here
+            strategy, report = run_fedpac(cast(Grid, grid), cfg, 1)
         assert [r.round for r in report.rounds] == list(range(1, ROUNDS + 1))
         _FEDERATIONS[name] = Federation(
             cfg=cfg,
             records=list(report.rounds),
             grid=grid,
+            lineage=strategy.lineage,
             exchanges=grid.exchanges,
         )
     return _FEDERATIONS[name]
 
 
-def _model(msg: Message, cfg: FedPACConfig) -> FedPACNet:
-    """The model a message carries (the personalized model sent, or the trained one replied)."""
+def _model(msg: Message, fed: Federation, pid: int, up_to: int) -> FedPACNet:
+    """The model a message stands for (the personalized model sent, or the trained one replied):
+    the parts it carries, and the parts its method keeps at the site as site ``pid`` kept them
+    after round ``up_to`` (the round-0 ones before that site first trained)."""
+    cfg = fed.cfg
+    state = {k: v.numpy() for k, v in initial_model(cfg).state_dict().items()}
+    state.update(fed.kept(pid, up_to).get(SITE_PARTS, {}))
+    state.update(p.sections_of(msg.content).get(p.MODEL, {}))
     model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    state = p.sections_of(msg.content)[p.MODEL]
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
     return model
 
@@ -178,8 +194,8 @@ def test_one_local_update_lowers_the_training_loss_of_the_personalized_model(nam
     assert len(exchanges) == NUM_CLIENTS
     for msg, reply in exchanges:
         x, y, _, _ = _data(fed.cfg, fed.partition(msg))
-        before, _ = evaluate(_model(msg, fed.cfg), x, y)
-        after, _ = evaluate(_model(reply, fed.cfg), x, y)
+        before, _ = evaluate(_model(msg, fed, fed.partition(msg), 0), x, y)
+        after, _ = evaluate(_model(reply, fed, fed.partition(msg), 1), x, y)
         assert after < 0.75 * before, f"partition {fed.partition(msg)}: training loss {before:.3f} -> {after:.3f}"
 
 
@@ -194,13 +210,14 @@ def test_the_trained_head_fits_the_received_features_better(name, tmp_path_facto
     fed = _federation(name, tmp_path_factory)
     for msg, reply in fed.train_exchanges(1):
         if traits(METHODS[name]).fixed_head:
-            received_head, sent_head = _model(msg, fed.cfg).head, _model(reply, fed.cfg).head
+            pid = fed.partition(msg)
+            received_head, sent_head = _model(msg, fed, pid, 0).head, _model(reply, fed, pid, 1).head
             assert all(torch.equal(a, b) for a, b in zip(received_head.parameters(), sent_head.parameters()))
             continue
         x, y, _, _ = _data(fed.cfg, fed.partition(msg))
-        received = _model(msg, fed.cfg)
+        received = _model(msg, fed, fed.partition(msg), 0)
         features = extract_features(received.extractor, x)
-        trained_head = _model(reply, fed.cfg).head
+        trained_head = _model(reply, fed, fed.partition(msg), 1).head
         with torch.no_grad():
             before = float(torch.nn.functional.cross_entropy(received.head(features), y))
             after = float(torch.nn.functional.cross_entropy(trained_head(features), y))
@@ -220,8 +237,8 @@ def test_the_reported_training_metrics_are_what_the_client_achieved(name, tmp_pa
     for msg, reply in fed.train_exchanges(1):
         pid = fed.partition(msg)
         x, y, x_test, y_test = _data(fed.cfg, pid)
-        trained = _model(reply, fed.cfg)
-        before, _ = evaluate(_model(msg, fed.cfg), x, y)
+        trained = _model(reply, fed, fed.partition(msg), 1)
+        before, _ = evaluate(_model(msg, fed, fed.partition(msg), 0), x, y)
         after, _ = evaluate(trained, x, y)
         recorded = fed.records[0].train[pid]
         reported = recorded[p.TRAIN_LOSS]
@@ -253,7 +270,7 @@ def test_a_short_federation_ends_well_above_guessing_and_above_its_first_round(n
     for msg, _ in fed.train_exchanges(1):
         pid = fed.partition(msg)
         _, _, x_test, y_test = _data(fed.cfg, pid)
-        untrained[pid] = evaluate(_model(msg, fed.cfg), x_test, y_test)[1]
+        untrained[pid] = evaluate(_model(msg, fed, fed.partition(msg), 0), x_test, y_test)[1]
     first, last = fed.accuracy[0], fed.accuracy[-1]
     assert sorted(last) == list(range(NUM_CLIENTS))
     final = float(np.mean(list(last.values())))
@@ -272,8 +289,8 @@ def test_the_accuracy_the_server_records_is_the_personalized_models(name, tmp_pa
     """Every accuracy and test loss in the server's round records is that of the personalized
     model the client evaluated, on its test split: the very model the server sent for that
     evaluation, made ready by the method's ``before_evaluation`` (FedAvg-FT's fine-tuned copy,
-    with the client's own generator; Ditto's personal model, which the site keeps: known here
-    only as it is at the end of the run, so for the last round)."""
+    with the client's own generator; Ditto's personal model and the parts a method keeps at the
+    site, as the site kept them after that round)."""
     fed = _federation(name, tmp_path_factory)
     evaluated = fed.evaluated_models()
     assert sorted((r, pid) for r, pid, _ in evaluated) == [
@@ -281,11 +298,10 @@ def test_the_accuracy_the_server_records_is_the_personalized_models(name, tmp_pa
     routine = client_routine(configured_method(fed.cfg))
     checked = 0
     for server_round, pid, msg in evaluated:
-        site = SiteState(fed.grid.contexts[msg.metadata.dst_node_id].state)
-        if site.records.array_records and server_round < ROUNDS:
-            continue  # the site's own model of that round is gone
+        site = SiteState(fed.kept(pid, server_round))
         x, y, x_test, y_test = _data(fed.cfg, pid)
-        model = routine.before_evaluation(_model(msg, fed.cfg), LocalData(x, y, x_test, y_test, site), fed.cfg,
+        model = routine.before_evaluation(_model(msg, fed, pid, server_round), LocalData(x, y, x_test, y_test, site),
+                                          fed.cfg,
                                           _generator(fed.cfg, server_round, pid, purpose=1))
         loss, accuracy = evaluate(model, x_test, y_test)
         record = fed.records[server_round - 1]
@@ -293,7 +309,7 @@ def test_the_accuracy_the_server_records_is_the_personalized_models(name, tmp_pa
         assert record.accuracy[pid] == pytest.approx(accuracy, abs=1e-6), where
         assert record.test_loss[pid] == pytest.approx(loss, rel=1e-5), where
         checked += 1
-    assert checked >= NUM_CLIENTS
+    assert checked == len(evaluated)
 
 
 # ---------------------------------------------------------------------------- feature alignment
@@ -366,8 +382,9 @@ def test_the_global_centroids_are_the_class_means_of_the_trained_features_over_t
         sums = torch.zeros(num_classes, EMBEDDING_DIM, dtype=torch.float64)
         counts = torch.zeros(num_classes, dtype=torch.float64)
         for msg, reply in fed.train_exchanges(server_round):
-            x, y, _, _ = _data(fed.cfg, fed.partition(msg))
-            sums.index_add_(0, y, extract_features(_model(reply, fed.cfg).extractor, x).double())
+            pid = fed.partition(msg)
+            x, y, _, _ = _data(fed.cfg, pid)
+            sums.index_add_(0, y, extract_features(_model(reply, fed, pid, server_round).extractor, x).double())
             counts += torch.bincount(y, minlength=num_classes)
         present = counts > 0
         seen |= present  # a class absent this round keeps its earlier centroid

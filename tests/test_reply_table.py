@@ -66,7 +66,7 @@ def statistics_sent(method: Method) -> tuple[str, ...]:
 def reply_shape(method: Method) -> tuple:
     """What a method's training reply carries besides the model: statistics and extra metrics."""
     return (statistics_sent(method), traits(method).statistics, traits(method).posteriors,
-            traits(method).local_evaluation)
+            traits(method).local_evaluation, traits(method).kept_at_site)
 
 
 # The method whose exchange also has the pre-flight, fused evaluation and evaluate replies: those
@@ -208,7 +208,7 @@ def _compressed(array: np.ndarray) -> np.ndarray:
 def change_model(change: Callable[[p.NDArrays], object]) -> Tamper:
     """``change`` applied to the reply's ``model`` section (a dict of its arrays)."""
     def tamper(reply: Message) -> None:
-        model = p.sections_of(reply.content)[p.MODEL]
+        model = p.sections_of(reply.content).get(p.MODEL, {})
         change(model)
         set_section(reply, p.MODEL, model)
     return tamper
@@ -266,6 +266,15 @@ def no_statistics(method: Method) -> bool:
     return not statistics_sent(method)
 
 
+def shares(part: str) -> Callable[[Method], bool]:
+    """Whether a method's replies carry ``part`` of the model (by the paper: not what it keeps at the site)."""
+    return lambda method: part not in traits(method).kept_at_site
+
+
+def keeps_at_site(part: str) -> Callable[[Method], bool]:
+    return lambda method: part in traits(method).kept_at_site
+
+
 def every(_: Method) -> bool:
     return True
 
@@ -315,28 +324,37 @@ ROWS: list[Row] = [
         "must not be compressed"),
     Row("an array in no section", (TRAIN,), replace_arrays(_bytes(npz_bytes({"x": np.zeros(3)}))),
         "not named <section>/<array>"),
-    Row("a model of strings", (TRAIN,), first_extractor_array(lambda a: a.astype(str)), "not an array of numbers"),
+    Row("a model of strings", (TRAIN,), first_extractor_array(lambda a: a.astype(str)), "not an array of numbers",
+        applies=shares("extractor")),
     Row("a model of float128", (TRAIN,), first_extractor_array(lambda a: a.astype(np.longdouble)),
-        "not an array of numbers"),
+        "not an array of numbers", applies=shares("extractor")),
     Row("an extra section", (TRAIN,), lambda r: set_section(r, "extra", {"x": np.zeros(3)}),
         "unexpected section(s) ['extra']"),
     Row("statistics nobody asked for", (TRAIN,), add_statistic, "unexpected section(s) ['statistics']",
         applies=no_statistics),
-    Row("no model", (TRAIN,), drop_section(p.MODEL), "missing section 'model'"),
+    Row("no model", (TRAIN,), drop_section(p.MODEL), "missing section 'model'", applies=shares("extractor")),
     Row("an extra model array", (TRAIN,), change_model(lambda m: m.update(extra=np.zeros(3, np.float32))),
-        "head keys differ"),
+        "unexpected model array(s) ['extra']", applies=shares("extractor")),
+    # a part its method keeps at the site, sent all the same: a site that leaks what it should not
+    Row("a model part kept at the site", (TRAIN,),
+        change_model(lambda m: m.update({p.HEAD_BIAS: np.zeros(10, np.float32)})), "keeps at the site",
+        applies=keeps_at_site("head")),
     Row("a missing extractor array", (TRAIN,),
-        change_model(lambda m: m.pop(next(k for k in m if not k.startswith(HEAD_PREFIX)))), "extractor keys differ"),
-    Row("a missing head array", (TRAIN,), change_model(lambda m: m.pop(p.HEAD_BIAS)), "head keys differ"),
-    Row("an extractor of the wrong shape", (TRAIN,), first_extractor_array(fewer_rows), "has shape"),
+        change_model(lambda m: m.pop(next(k for k in m if not k.startswith(HEAD_PREFIX)))), "extractor keys differ",
+        applies=shares("extractor")),
+    Row("a missing head array", (TRAIN,), change_model(lambda m: m.pop(p.HEAD_BIAS)), "head keys differ",
+        applies=shares("head")),
+    Row("an extractor of the wrong shape", (TRAIN,), first_extractor_array(fewer_rows), "has shape",
+        applies=shares("extractor")),
     Row("a head of the wrong shape", (TRAIN,), set_array(p.MODEL, p.HEAD_WEIGHT, fewer_rows),
-        "head 'head.weight' has shape"),
+        "head 'head.weight' has shape", applies=shares("head")),
     Row("a transposed head", (TRAIN,), set_array(p.MODEL, p.HEAD_WEIGHT, lambda a: a.T.copy()),
-        "head 'head.weight' has shape"),
-    Row("NaN in the extractor", (TRAIN,), first_extractor_array(nan), "holds NaN or Inf"),
-    Row("Inf in the head", (TRAIN,), set_array(p.MODEL, p.HEAD_BIAS, inf), "head 'head.bias' holds NaN or Inf"),
+        "head 'head.weight' has shape", applies=shares("head")),
+    Row("NaN in the extractor", (TRAIN,), first_extractor_array(nan), "holds NaN or Inf", applies=shares("extractor")),
+    Row("Inf in the head", (TRAIN,), set_array(p.MODEL, p.HEAD_BIAS, inf), "head 'head.bias' holds NaN or Inf",
+        applies=shares("head")),
     Row("a head past float32", (TRAIN,), set_array(p.MODEL, p.HEAD_WEIGHT, huge),
-        "head 'head.weight' holds NaN or Inf (as float32)"),
+        "head 'head.weight' holds NaN or Inf (as float32)", applies=shares("head")),
     # --- the statistics, for each array a method sends
     Row("no statistics", (TRAIN,), drop_section(p.STATISTICS), "missing section 'statistics'",
         applies=lambda m: not no_statistics(m)),
@@ -463,7 +481,7 @@ ACCEPTED: list[Row] = [
     Row("exactly MAX_METRICS evaluation metrics", (FUSED,), padded_to(MAX_METRICS, p.EVALUATION), ""),
     Row("num-examples at max-samples-per-client", (TRAIN, QUERY), lambda r: None, "", max_samples=TRAIN_SAMPLES),
     Row("a float64 model, cast to float32", (TRAIN,), set_array(p.MODEL, p.HEAD_WEIGHT, lambda a: a.astype(np.float64)),
-        ""),
+        "", applies=shares("head")),
     Row("class counts as floats", (TRAIN,), set_array(p.STATISTICS, p.CLASS_COUNTS, lambda a: a.astype(np.float64)),
         "", applies=sends(p.CLASS_COUNTS)),
     Row("a v below 0 by rounding only", (TRAIN,), set_metric(p.V, -1e-12), "", applies=lambda m: traits(m).statistics),

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from common import protocol as p
 from common.config import ConfigError, parse_run_config
 from common.model import EMBEDDING_DIM
+from common.site_state import SiteStore
 from federation import InProcessGrid
 from server_app.app import run_fedpac
 from server_app.checkpoint import FILE_NAME, CheckpointError, load_checkpoint
@@ -208,7 +210,6 @@ FORMAT_1_RUNS = {
                 {"extractor", "centroids", "centroid_mask", "head", "anchors"}),
     "pfedvem": ({"strategy": "pfedvem", "fraction-train": 1.0, "vem-sampling-rate": 0.5},
                 {"extractor", "centroids", "centroid_mask", "global-head", "head", "posterior-scale"}),
-    "local": ({"strategy": "local"}, {"extractor", "centroids", "centroid_mask", "head", "client-extractor"}),
     "fedavg": ({"strategy": "fedavg"}, {"extractor", "centroids", "centroid_mask", "global-head"}),
 }
 BYTES = ("bytes_sent", "bytes_received")
@@ -257,6 +258,56 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
         assert sorted(a.files) == sorted(b.files)
         for key in a.files:
             np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fedper", "local", "ditto"])
+def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, tmp_path):
+    """FedPer's heads, Local-only's models and Ditto's personal models stay at the sites, on their
+    disk: a crashed server resumed (with every node restarted: new contexts, new node ids)
+    computes the uninterrupted run's rounds, and its sites end with the same kept state."""
+    config = {**BASE, "strategy": name, "num-server-rounds": 3}
+    full, full_report = _run({**config, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
+    with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
+        _run({**config, "output-dir": str(tmp_path / "crashed")}, grid_seed=2, crash_at_round=3, run_id=2)
+    (crashed,) = (tmp_path / "crashed").iterdir()
+    checkpoint = load_checkpoint(crashed)
+    resumed, report = _run({**config, "output-dir": str(tmp_path / "resumed"), "resume-from": str(crashed)},
+                           grid_seed=3, run_id=3)
+    assert [run for run, _ in resumed.lineage] == [checkpoint.lineage[0][0], resumed.lineage[-1][0]]
+    assert resumed.lineage[-1][1] == checkpoint.completed_rounds + 1
+    assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
+    assert [r.test_loss for r in report.rounds] == [r.test_loss for r in full_report.rounds]
+    root = Path(os.environ["FLWR_HOME"]) / "fedpac-site-state"
+    trained = 0
+    for pid in range(6):
+        expected = SiteStore(root, pid, full.lineage).load(3)
+        kept = SiteStore(root, pid, resumed.lineage).load(3)
+        assert sorted(kept) == sorted(expected), pid
+        for name_, arrays in expected.items():
+            for key, value in arrays.items():
+                np.testing.assert_array_equal(kept[name_][key], value, err_msg=f"{pid} {name_} {key}")
+        trained += bool(expected)
+    assert trained >= 3  # half the sites train each round
+
+
+def test_an_older_checkpoint_that_holds_parts_now_kept_at_the_sites_drops_them_and_says_so(tmp_path, caplog):
+    """Before the sites kept FedPer's heads, the server did, in its checkpoint: a run resumed from
+    one says that the sites start their heads over, and keeps none on the server."""
+    config = {**BASE, "strategy": "fedper", "num-server-rounds": 2, "output-dir": str(tmp_path / "first")}
+    _run({**config, "num-server-rounds": 1}, grid_seed=1)
+    (first,) = (tmp_path / "first").iterdir()
+    arrays, meta = _archive(first)
+    meta.pop("lineage")  # written before lineages, too
+    arrays.update({f"personal/head/{pid}/{key}": value for pid in range(6)
+                   for key, value in (("head.weight", np.zeros((10, EMBEDDING_DIM), np.float32)),
+                                      ("head.bias", np.zeros(10, np.float32)))})
+    old = _write_archive(tmp_path / "old", arrays, meta)
+    with caplog.at_level("WARNING"):
+        strategy, report = _run({**config, "output-dir": str(tmp_path / "resumed"), "resume-from": str(old)},
+                                grid_seed=2, run_id=2)
+    assert "now keeps at the site" in caplog.text
+    assert not strategy.state.personal.get("head") and [r.round for r in report.rounds] == [1, 2]
 
 
 def test_a_checkpoint_of_an_unknown_format_is_refused_before_any_training(tmp_path):

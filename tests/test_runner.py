@@ -280,25 +280,21 @@ def test_runner_skips_finished_cells_and_resumes_a_half_finished_one_from_its_ch
     assert [c[:2] for c in longer.calls] == [("fedavg", 0), ("fedavg", 1)]
 
 
-def test_a_stopped_cell_of_a_method_whose_sites_keep_state_starts_over_instead_of_resuming(tmp_path, capsys):
-    """Ditto's personal models live at the sites, for the run: a resumed run would start them
-    over and not be the cell's computation, so the runner runs such a cell again from round 1,
-    and neither resumes nor extends it."""
-    grid, out = _grid(tmp_path, TINY.replace("fedpac", "ditto")), \
-        tmp_path / "out"
+def test_a_stopped_cell_of_a_method_whose_sites_keep_state_resumes_like_any_other(tmp_path, capsys):
+    """Ditto's personal models live at the sites, on their disk, found again through the run's
+    lineage (``common.site_state``): a stopped Ditto cell resumes, and a longer one extends."""
+    grid, out = _grid(tmp_path, TINY.replace("fedpac", "ditto")), tmp_path / "out"
     assert main([str(grid), "--out", str(out)], execute=FakeSimulation(crash={"ditto"})) == 1
     capsys.readouterr()
     again = FakeSimulation()
     assert main([str(grid), "--out", str(out), "--dry-run"], execute=again) == 0
-    assert "tiny/s-20 | ditto | seed 0: 3 clients, 2 rounds: to run" in capsys.readouterr().out
+    assert "tiny/s-20 | ditto | seed 0: 3 clients, 2 rounds: resumable after round 1" in capsys.readouterr().out
     assert main([str(grid), "--out", str(out)], execute=again) == 0
-    assert again.calls == [("ditto", 0, None)]
-    assert "ditto | seed 0: not resuming the stopped run run-2: ditto's sites keep state" in capsys.readouterr().out
-    # a longer Ditto cell does not extend the finished shorter one either
+    assert [(m, seed) for m, seed, _ in again.calls] == [("ditto", 0)] and again.calls[0][2] is not None
+    assert "ditto | seed 0: resuming after round 1/2" in capsys.readouterr().out
     longer = FakeSimulation()
     assert main([str(grid), "--out", str(out), "--rounds", "3", "--extend"], execute=longer) == 0
-    assert [(m, r) for m, _, r in longer.calls] == [("fedavg", longer.calls[0][2]), ("ditto", None)]
-    assert longer.calls[0][2] is not None  # FedAvg's does
+    assert [m for m, _, _ in longer.calls] == ["fedavg", "ditto"] and all(r is not None for _, _, r in longer.calls)
 
 
 def test_a_run_whose_status_says_finished_counts_as_finished_without_its_final_state(tmp_path, capsys):

@@ -33,7 +33,9 @@ class Rule(str, Enum):
 
     AVERAGE = "average"  # one global copy: the sample-weighted mean of the replies (eq. 18)
     MIX = "mix"  # per client: sum_j alpha_ij phi_j, alpha_i from the collaboration QP (eq. 11)
-    LOCAL = "local"  # per client: its own trained copy, kept on the server by partition-id
+    # per client: its own trained copy, kept at the site (``common.site_state``); it never travels,
+    # since no server step uses it
+    LOCAL = "local"
     # per client, class by class: the mean of the trained rows phi_j[c] of the clients j whose
     # balanced heads cluster with it for class c (FedCCFA)
     CLUSTER = "cluster"
@@ -76,9 +78,9 @@ class Method:
     # Whether the method's server draws the round's sample itself (pFedVEM's S_t), so that
     # fraction-train must not sample on top of it.
     draws_its_own_sample: ClassVar[bool] = False
-    # Whether its sites keep state from one round to the next that the server never holds
-    # (Ditto's personal models, in the node's state for the run). A resumed run is a new run to
-    # Flower, whose sites start that state over: it does not continue the same computation.
+    # Whether its client part keeps state of its own at the site from one round to the next
+    # (Ditto's personal models: ``common.methods.client.SiteState``), beside the model parts kept
+    # there (:attr:`site_parts`).
     keeps_site_state: ClassVar[bool] = False
 
     name: str
@@ -103,6 +105,21 @@ class Method:
         other methods' settings are ignored)."""
         changes = {f.name: values[key] for key, f in settings_of(self).items() if key in values}
         return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def site_parts(self) -> tuple[str, ...]:
+        """The model parts (``extractor``, ``head``) that stay at the site: never sent either way."""
+        return tuple(part for part, rule in (("extractor", self.extractor), ("head", self.head)) if rule is Rule.LOCAL)
+
+    @property
+    def shared_parts(self) -> tuple[str, ...]:
+        """The model parts that travel: sent to each client and back in its training reply."""
+        return tuple(part for part in ("extractor", "head") if part not in self.site_parts)
+
+    @property
+    def keeps_anything_at_site(self) -> bool:
+        """Whether its sites keep anything between rounds (model parts or the method's own state)."""
+        return bool(self.site_parts) or self.keeps_site_state
 
     @property
     def has_alpha(self) -> bool:

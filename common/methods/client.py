@@ -10,36 +10,54 @@ the server's math (the QP's solver) is no dependency of a site.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flwr.app import RecordDict
 
 from common import protocol as p
 from common.config import FedPACConfig
 from common.methods.base import Method
-from common.model import FedPACNet
+from common.model import FedPACNet, part_of
 
 
 class SiteState:
     """What a method keeps at the site from one round to the next (Ditto's personal model), by
-    name: arrays in the node's Flower ``Context.state``, which the SuperNode keeps for the run
-    (not across a SuperNode restart) and never sends to the server."""
+    name: read from the site's own disk as it stood after the previous round and written back
+    after this one (``common.site_state``); it never travels."""
 
-    PREFIX = "method-state."
-
-    def __init__(self, records: RecordDict | None = None) -> None:
-        self.records = RecordDict() if records is None else records
+    def __init__(self, kept: Mapping[str, p.NDArrays] | None = None) -> None:
+        self.kept: dict[str, p.NDArrays] = dict(kept or {})
 
     def get(self, name: str) -> p.NDArrays | None:
         """The arrays kept under ``name``, or None before the first :meth:`put`."""
-        record = self.records.array_records.get(self.PREFIX + name)
-        return None if record is None else p.from_record(record)
+        return self.kept.get(name)
 
     def put(self, name: str, arrays: p.NDArrays) -> None:
-        self.records[self.PREFIX + name] = p.to_record(arrays)
+        self.kept[name] = arrays
+
+
+# The name under which a site keeps the model parts its method never sends (``Method.site_parts``).
+SITE_PARTS = "model"
+
+
+def only_parts(state: p.NDArrays, parts: tuple[str, ...]) -> p.NDArrays:
+    """The arrays of ``state`` that belong to ``parts``."""
+    return {key: value for key, value in state.items() if part_of(key) in parts}
+
+
+def site_model_state(method: Method, received: p.NDArrays, kept: p.NDArrays | None,
+                     initial: Callable[[], p.NDArrays]) -> p.NDArrays:
+    """The model a site works with: the parts its method shares as the server sent them, and the
+    parts it keeps at home as it kept them (the run's round-0 ones, ``initial()``, before it first
+    trained). Raises ``ValueError`` when the server's message lacks a shared part."""
+    shared = only_parts(received, method.shared_parts)
+    missing = [part for part in method.shared_parts if not only_parts(shared, (part,))]
+    if missing:
+        raise ValueError(f"the server's model lacks the {' and '.join(missing)} that {method.name} shares")
+    home = only_parts(kept if kept is not None else initial(), method.site_parts)
+    return {**shared, **home}
 
 
 @dataclass(frozen=True)

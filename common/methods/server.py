@@ -54,7 +54,8 @@ class ServerState:
 
 @dataclass(frozen=True)
 class Update:
-    """One client's training reply, its model and metrics checked by the glue, its
+    """One client's training reply, its model (the parts its method shares; a part kept at the
+    site is empty here) and metrics checked by the glue, its
     ``statistics`` by shape and finiteness against :meth:`ServerPart.statistics_shapes`, and
     whatever the method derives from them in :meth:`ServerPart.check` (``parsed``)."""
 
@@ -114,14 +115,21 @@ class ServerPart:
     # ------------------------------------------------------------------ what travels
 
     def model_for(self, state: ServerState, partition_id: int | None) -> p.NDArrays:
-        """The model a client gets: the global extractor (Local-only: its own, the initial one
-        before it first trains) and its personalized head (the global one when heads are
-        averaged; the initial one before it first trains)."""
-        extractor = state.shared[EXTRACTOR]
-        if self.method.extractor is Rule.LOCAL:
-            extractor = state.personal_part(EXTRACTOR, partition_id, extractor)
-        head = state.personal_part(HEAD, partition_id, self.initial_head) if self.personal_heads else state.shared[HEAD]
-        return {**extractor, **head}
+        """The parts of the model a client gets (``Method.shared_parts``; a part kept at the site
+        never travels): the global extractor and its personalized head (the global one when heads
+        are averaged; the initial one before it first trains)."""
+        model: p.NDArrays = {}
+        if EXTRACTOR in self.method.shared_parts:
+            model.update(state.shared[EXTRACTOR])
+        if HEAD in self.method.shared_parts:
+            model.update(state.personal_part(HEAD, partition_id, self.initial_head) if self.personal_heads
+                         else state.shared[HEAD])
+        return model
+
+    def reply_template(self) -> p.NDArrays:
+        """The model arrays a training reply carries: those of the parts the method shares."""
+        parts = {EXTRACTOR: self.extractor_template, HEAD: self.head_template}
+        return {key: value for part in self.method.shared_parts for key, value in parts[part].items()}
 
     def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
         """What a train message carries besides the model: sections and config entries."""
@@ -155,12 +163,9 @@ class ServerPart:
         their sample weights n_i (capped: ``common.averaging.capped_sample_weights``)."""
         del server_round
         for part, section in ((self.method.extractor, EXTRACTOR), (self.method.head, HEAD)):
-            arrays = [getattr(u, section) for u in updates]
+            # the base knows two rules: a part kept at the site (LOCAL) never reaches the server
             if part is Rule.AVERAGE:
-                state.shared[section] = weighted_average(arrays, weights)
-            else:
-                for update, own in zip(updates, arrays):
-                    state.keep(section, update.partition_id, dict(own))
+                state.shared[section] = weighted_average([getattr(u, section) for u in updates], weights)
         return StepResult()
 
     def closing_record(self, state: ServerState) -> dict[str, Any]:

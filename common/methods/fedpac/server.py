@@ -133,11 +133,10 @@ class Server(ServerPart):
                                                   np.array([u.parsed["v"] for u in updates]), weights,
                                                   self.cfg.alpha_threshold, self.cfg.qp_solver)
         state.shared[EXTRACTOR] = weighted_average([u.extractor for u in updates], weights)
-        heads = [u.head for u in updates]
-        new_heads = mix_heads(heads, collaboration.alpha) if collaboration is not None else [dict(h) for h in heads]
-        for update, head in zip(updates, new_heads):
-            state.keep(HEAD, update.partition_id, head)
-        if collaboration is not None:
+        if collaboration is not None:  # without it each head stays at its site (Rule.LOCAL)
+            new_heads = mix_heads([u.head for u in updates], collaboration.alpha)
+            for update, head in zip(updates, new_heads):
+                state.keep(HEAD, update.partition_id, head)
             result.record.update(alpha_partitions=[u.partition_id for u in updates],
                                  alpha=collaboration.alpha.tolist(), solver_status=collaboration.status)
             if collaboration.far_off:
