@@ -51,7 +51,7 @@ def save_final_state(strategy: PersonalizedStrategy, path: Path) -> None:
     """The method's final server state in one .npz (``ServerPart.final_arrays``): the shared
     sections as ``<section>/<array>`` (the global extractor, FedAvg's head, FedPAC's centroids,
     pFedVEM's prior mean), every client's as ``client-<pid>/<section>/<array>`` (personalized
-    heads, Local-only's extractors, FedCCFA's anchors, pFedVEM's posterior scales)."""
+    heads, FedCCFA's anchors, pFedVEM's posterior means; what a site keeps at home is not here)."""
     atomic_write(path, npz_bytes(strategy.server.final_arrays(strategy.state)))
 
 

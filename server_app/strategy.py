@@ -182,9 +182,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         )
         self.round_offset = checkpoint.completed_rounds
         self.lineage = (*checkpoint.lineage, (self.lineage[-1][0], checkpoint.completed_rounds + 1))
-        home = sorted(set(self.server.method.site_parts) & set(self.state.personal))
+        home = sorted({*self.server.method.site_parts, *self.server.moved_to_sites} & set(self.state.personal))
         if home:
-            # a checkpoint written when the server still kept these parts: the sites never had them
+            # a checkpoint written when the server still kept these: the sites never had them
             log(WARNING, "The checkpoint holds every client's %s, which %s now keeps at the site; the sites "
                 "do not have them and start them over from round 0's", " and ".join(home), self.server.method.name)
             for section in home:

@@ -18,7 +18,7 @@ class Traits:
     centroids: bool = False  # alignment targets down, local class means up (FedPAC's alignment, FedCCFA)
     class_counts: bool = False  # n_ik with any of the above
     balanced_head: bool = False  # FedCCFA's clustering input
-    posteriors: bool = False  # pFedVEM: the posterior scales and rho_j up, the prior and scales down
+    posteriors: bool = False  # pFedVEM: rho_j up, the prior down; the posterior scales stay at the site
     local_evaluation: bool = False  # pFedVEM's own measure: the locally trained model's accuracy
     global_head: bool = False  # one head on the server: FedAvg's average, pFedVEM's prior mean
     fixed_head: bool = False  # the head is never trained: the initial one throughout (FedBABU)
@@ -29,7 +29,7 @@ class Traits:
 
     @property
     def sends_statistics(self) -> bool:
-        return self.class_counts or self.posteriors
+        return self.class_counts
 
 
 def traits(method: Method) -> Traits:
@@ -40,7 +40,8 @@ def traits(method: Method) -> Traits:
     if isinstance(method, FedCCFA):
         return Traits(centroids=True, class_counts=True, balanced_head=True)
     if isinstance(method, PFedVEM):
-        return Traits(posteriors=True, local_evaluation=True, global_head=True)
+        return Traits(posteriors=True, local_evaluation=True, global_head=True,
+                      site_state=("pfedvem-posterior-scales",))
     if isinstance(method, FedBABU):
         return Traits(global_head=True, fixed_head=True)
     kept_at_site = {"local": ("extractor", "head"), "fedper": ("head",), "fedrep": ("head",)}.get(method.name, ())

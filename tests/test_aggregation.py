@@ -161,11 +161,9 @@ def test_a_fedccfa_round_returns_the_clusters_with_the_merged_heads():
 
 
 def _pfedvem_updates(server, extractors, heads, rhos, num_examples):
-    """pFedVEM replies: each client's posterior (mean as its head, scales s) and its rho."""
+    """pFedVEM replies: each client's posterior mean (as its head; its scales stay at the site) and its rho."""
     return [
-        _checked(server, i, extractors[i], heads[i], int(num_examples[i]),
-                 {p.SCALE_WEIGHT: np.full_like(heads[i]["head.weight"], 0.5),
-                  p.SCALE_BIAS: np.full_like(heads[i]["head.bias"], 0.5)},
+        _checked(server, i, extractors[i], heads[i], int(num_examples[i]), {},
                  {p.RHO: rhos[i], p.LOCAL_ACCURACY: 0.5})
         for i in range(len(heads))
     ]

@@ -101,7 +101,6 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
             sent = set(sections[p.STATISTICS])
             assert (p.CENTROID_VALUES in sent) == traits(method).centroids
             assert (p.H in sent) == traits(method).statistics
-            assert (p.SCALE_WEIGHT in sent) == traits(method).posteriors
         assert (p.RHO in content[p.METRICS]) == traits(method).posteriors
         assert (p.LOCAL_ACCURACY in content[p.METRICS]) == traits(method).local_evaluation
         assert (p.V in content[p.METRICS]) == traits(method).statistics
@@ -133,7 +132,7 @@ def test_every_method_runs_two_rounds_end_to_end(name, tmp_path):
     else:
         assert sorted(state.personal[HEAD]) == [0, 1, 2]
         assert (HEAD in checkpoint.state.shared) == traits(method).global_head
-    assert sorted(checkpoint.state.personal.get(SCALE, {})) == ([0, 1, 2] if traits(method).posteriors else [])
+    assert SCALE not in checkpoint.state.personal  # pFedVEM's posterior scales stay at the sites
     # a part kept at the site never travels, either way, and the site has it after the last round
     kept_at_site = traits(method).kept_at_site
     for message in [*train_messages, *recorder.train.values()]:
@@ -304,9 +303,7 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     received = Received(server_round=cfg.align_from_round, sections={
         p.CENTROIDS: {p.CENTROID_VALUES: torch.randn(10, 128).numpy(), p.CENTROID_MASK: np.ones(10, dtype=bool)},
         p.INITIAL_HEAD: {HEAD_PREFIX + k: v.detach().numpy().copy() for k, v in model.head.state_dict().items()},
-        p.POSTERIOR: {p.PRIOR_WEIGHT: torch.randn(10, 128).numpy(), p.PRIOR_BIAS: torch.randn(10).numpy(),
-                      p.SCALE_WEIGHT: np.full((10, 128), 0.54, dtype=np.float32),
-                      p.SCALE_BIAS: np.full((10,), 0.54, dtype=np.float32)},
+        p.POSTERIOR: {p.PRIOR_WEIGHT: torch.randn(10, 128).numpy(), p.PRIOR_BIAS: torch.randn(10).numpy()},
     })
     update = _local_update(model, x, y, received, cfg)
     assert all(_changed(extractor_before, model.extractor))
@@ -324,7 +321,7 @@ def test_each_method_trains_the_parts_it_should_and_computes_only_what_it_sends(
     if p.CLASS_COUNTS in update.statistics:
         assert update.statistics[p.CLASS_COUNTS].tolist() == [8] * 5 + [0] * 5
     assert (p.BALANCED_WEIGHT in update.statistics) == traits(method).balanced_head
-    assert (p.SCALE_WEIGHT in update.statistics) == (p.RHO in update.metrics) == traits(method).posteriors
+    assert (p.RHO in update.metrics) == traits(method).posteriors
 
 
 def test_fedrep_body_epochs_keep_the_head_frozen_and_head_epochs_train_it():

@@ -20,7 +20,6 @@ from common.methods import METHODS
 from common.methods.client import ClientResult, LocalData, Received, client_routine
 from common.model import HEAD_PREFIX, FedPACNet
 from common.training import evaluate
-from common.variational import softplus_inverse
 
 pytestmark = [
     pytest.mark.cuda,
@@ -58,10 +57,8 @@ def _received(method: str, model: FedPACNet) -> Received:
     if method == "pfedvem":
         weight = torch.randn(model.head.weight.shape, generator=g)
         bias = torch.randn(model.head.bias.shape, generator=g)
-        s = softplus_inverse(0.7)
-        return Received(sections={p.POSTERIOR: {
-            p.PRIOR_WEIGHT: weight.numpy(), p.PRIOR_BIAS: bias.numpy(),
-            p.SCALE_WEIGHT: torch.full_like(weight, s).numpy(), p.SCALE_BIAS: torch.full_like(bias, s).numpy()}})
+        # the posterior scales are the site's own (s^0 before its first round: LocalData's empty state)
+        return Received(sections={p.POSTERIOR: {p.PRIOR_WEIGHT: weight.numpy(), p.PRIOR_BIAS: bias.numpy()}})
     return Received(sections=centroids)
 
 
@@ -111,7 +108,7 @@ def test_a_local_update_on_the_gpu_matches_the_cpu(method):
     # Same batches, same steps: only the order of the float arithmetic differs.
     _assert_gpu_matches_cpu(gpu_model, cpu_model, f"{method}: ")
     assert gpu_update.train_loss == pytest.approx(cpu_update.train_loss, rel=1e-2, abs=1e-3)
-    # the same arrays travel back, on the host: n_i, class counts, centroids, h, balanced head, scales
+    # the same arrays travel back, on the host: n_i, class counts, centroids, h, balanced head
     assert gpu_update.num_examples == cpu_update.num_examples
     assert set(gpu_update.statistics) == set(cpu_update.statistics)
     assert set(gpu_update.metrics) == set(cpu_update.metrics)

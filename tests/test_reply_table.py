@@ -297,12 +297,10 @@ class Row:
 
 ENVELOPE = (QUERY, TRAIN, EVALUATE)  # the checks every kind of reply goes through
 EVALUATIONS = (EVALUATE, FUSED)  # the replies that carry an evaluation
-STATISTIC_KEYS = (p.CENTROID_VALUES, p.CLASS_COUNTS, p.H, p.BALANCED_WEIGHT, p.BALANCED_BIAS, p.SCALE_WEIGHT,
-                  p.SCALE_BIAS)
+STATISTIC_KEYS = (p.CENTROID_VALUES, p.CLASS_COUNTS, p.H, p.BALANCED_WEIGHT, p.BALANCED_BIAS)
 # The statistics the server casts to the model's float32, and the name its message gives them.
 CAST_STATISTICS = {p.CENTROID_VALUES: "statistics 'centroids'", p.H: "statistics 'h'",
-                   p.BALANCED_WEIGHT: "balanced head", p.BALANCED_BIAS: "balanced head",
-                   p.SCALE_WEIGHT: "posterior scales", p.SCALE_BIAS: "posterior scales"}
+                   p.BALANCED_WEIGHT: "balanced head", p.BALANCED_BIAS: "balanced head"}
 
 ROWS: list[Row] = [
     # --- the records of any reply

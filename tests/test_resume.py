@@ -209,7 +209,7 @@ FORMAT_1_RUNS = {
     "fedccfa": ({"strategy": "fedccfa", "fraction-train": 1.0, "balanced-epochs": 1},
                 {"extractor", "centroids", "centroid_mask", "head", "anchors"}),
     "pfedvem": ({"strategy": "pfedvem", "fraction-train": 1.0, "vem-sampling-rate": 0.5},
-                {"extractor", "centroids", "centroid_mask", "global-head", "head", "posterior-scale"}),
+                {"extractor", "centroids", "centroid_mask", "global-head", "head"}),
     "fedavg": ({"strategy": "fedavg"}, {"extractor", "centroids", "centroid_mask", "global-head"}),
 }
 BYTES = ("bytes_sent", "bytes_received")
@@ -251,7 +251,9 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
         # the first round after a resume sends no evaluation of the round before (fused: it is in
         # the checkpoint already), so its messages are smaller; every other number is the same
         first_resumed = full.fused_evaluation and int(row["round"]) == k + 1
-        ignored = {"seconds", *(BYTES if first_resumed else ())}
+        # a method whose sites keep state names the runs it continues in each message: a few bytes more
+        longer_lineage = resumed.server.method.keeps_anything_at_site and int(row["round"]) > k
+        ignored = {"seconds", *(BYTES if first_resumed or longer_lineage else ())}
         assert {c: v for c, v in row.items() if c not in ignored} == \
             {c: v for c, v in expected.items() if c not in ignored}, row["round"]
     with np.load(full_dir / "final_state.npz") as a, np.load(resumed_dir / "final_state.npz") as b:

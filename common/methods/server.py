@@ -87,6 +87,10 @@ class ServerPart:
     of it; the base adds nothing."""
 
     outputs: ClassVar[Outputs] = Outputs()
+    # Personal sections that older checkpoints hold and the sites keep now (pFedVEM's posterior
+    # scales): a run resumed from such a checkpoint drops them (the model's parts kept at the
+    # site, ``Method.site_parts``, likewise).
+    moved_to_sites: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, method: Method, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         self.method = method

@@ -18,4 +18,5 @@ class PFedVEM(Method):
     """pFedVEM: Gaussian heads, confidence-weighted prior mean, FedAvg base over S_t."""
 
     draws_its_own_sample = True
+    keeps_site_state = True  # each client's posterior scales s_j, which no server step uses
     head: Rule = field(init=False, default=Rule.CONFIDENCE)

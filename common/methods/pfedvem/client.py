@@ -11,15 +11,20 @@ from common.methods.client import ClientResult, ClientRoutine, LocalData, Receiv
 from common.methods.pfedvem import PFedVEM
 from common.model import FedPACNet
 from common.training import autocast, evaluate, extract_features, sgd_epochs, to_numpy
-from common.variational import GaussianHead, confidence_rho, e_step, sampled_mean_nll
+from common.variational import GaussianHead, confidence_rho, e_step, sampled_mean_nll, softplus_inverse
+
+# What the site keeps: its posterior's scales s_j, under the head's keys, in nn.Linear's layout.
+POSTERIOR_SCALES = "pfedvem-posterior-scales"
 
 
 class Routine(ClientRoutine):
     """pFedVEM's round.
 
     ``model`` holds the global base theta^t and, as its head, the client's posterior mean mu_j;
-    section ``posterior`` the prior mean w^t and the posterior scales s_j. All three arrive in
-    ``nn.Linear``'s layout and are transposed once, into :class:`GaussianHead`'s (d, K).
+    section ``posterior`` the prior mean w^t. The posterior scales s_j never leave the site: it
+    keeps them between rounds (``SiteState``; s^0 = softplus^-1(``vem-initial-sigma``) before its
+    first round). All three are in ``nn.Linear``'s layout and are transposed once, into
+    :class:`GaussianHead`'s (d, K).
 
     1. rho_j (eq. 7) from the posterior as it came out of the client's last round, against the
        new w^t: the prior's scale in this round's E-step and the client's weight on the server.
@@ -31,7 +36,7 @@ class Routine(ClientRoutine):
     4. pFedVEM's own evaluation: the locally trained model (the local base with the posterior
        mean), before the server aggregates anything, on the client's test split.
 
-    The model leaves holding theta_j and mu_j; the scales travel in the reply's statistics. Like
+    The model leaves holding theta_j and mu_j (the server averages them); the scales stay. Like
     the code, no weight decay.
     """
 
@@ -42,8 +47,13 @@ class Routine(ClientRoutine):
         x, y = data.x, data.y
         posterior = {key: torch.as_tensor(np.array(value), device=x.device)
                      for key, value in received.sections.get(p.POSTERIOR, {}).items()}
-        head = GaussianHead.from_linear(model.head.weight, model.head.bias,
-                                        posterior[p.SCALE_WEIGHT], posterior[p.SCALE_BIAS])
+        kept = data.state.get(POSTERIOR_SCALES)
+        if kept is None:
+            initial = softplus_inverse(cfg.vem_initial_sigma)
+            scales = [torch.full_like(model.head.weight, initial), torch.full_like(model.head.bias, initial)]
+        else:
+            scales = [torch.as_tensor(kept[key], device=x.device) for key in (p.HEAD_WEIGHT, p.HEAD_BIAS)]
+        head = GaussianHead.from_linear(model.head.weight, model.head.bias, *scales)
         prior_weight, prior_bias = posterior[p.PRIOR_WEIGHT].T, posterior[p.PRIOR_BIAS]  # (K, d) -> (d, K)
         rho = confidence_rho(head, prior_weight, prior_bias)
         model.train()
@@ -66,11 +76,11 @@ class Routine(ClientRoutine):
             model.head.weight.copy_(weight_mu)
             model.head.bias.copy_(bias_mu)
         weight_s, bias_s = head.linear_scale()
+        data.state.put(POSTERIOR_SCALES, {p.HEAD_WEIGHT: to_numpy(weight_s), p.HEAD_BIAS: to_numpy(bias_s)})
         local_loss, local_accuracy = evaluate(model, data.x_test, data.y_test)
         return ClientResult(
             num_examples=len(y),
             train_loss=train_loss,
-            statistics={p.SCALE_WEIGHT: to_numpy(weight_s), p.SCALE_BIAS: to_numpy(bias_s)},
             metrics={"head-loss": estep.train_loss, p.RHO: rho, "posterior-restored": int(estep.restored),
                      p.LOCAL_LOSS: local_loss, p.LOCAL_ACCURACY: local_accuracy},
         )

@@ -1,6 +1,7 @@
-"""pFedVEM's server step: every replying client's posterior kept (its mean as the client's head,
-its scales s), and over the round's sample S_t the prior mean w averaged by confidence
-tau_j = 1 / rho_j^2 (eq. 7) and the base by sample count (``common.variational.aggregate_sample``)."""
+"""pFedVEM's server step: every replying client's posterior mean kept (as the client's head; its
+scales stay at the site, since no server step uses them), and over the round's sample S_t the
+prior mean w averaged by confidence tau_j = 1 / rho_j^2 (eq. 7) and the base by sample count
+(``common.variational.aggregate_sample``)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from common.methods.pfedvem import PFedVEM
 from common.methods.pfedvem.charts import confidence_chart, has_confidences
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
 from common.model import EMBEDDING_DIM
-from common.validation import InvalidReply, finite_as, metric
-from common.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head, softplus_inverse
+from common.validation import InvalidReply, metric
+from common.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head
 
-SCALE = "scale"  # the state's section: each client's posterior scales s, under the head's keys
+# The section where checkpoints written before the sites kept their posterior scales held them.
+SCALE = "scale"
 
 
 def mean_local_accuracy(record: RoundData) -> object:
@@ -73,18 +75,17 @@ def initial_prior_head(cfg: FedPACConfig) -> p.NDArrays:
 
 class Server(ServerPart):
     """pFedVEM's server part: the base and the prior mean w (``shared``), every client's posterior
-    (``personal``: its mean as ``head``, its scales as ``scale``). A client that never trained
-    has mu = w^0 and s = s^0."""
+    (``personal``: its mean as ``head``; its scales stay at the site). A client that never
+    trained has mu = w^0 (and, at its site, s = s^0)."""
 
     method: PFedVEM
     outputs = OUTPUTS
+    moved_to_sites = (SCALE,)
 
     def __init__(self, method: PFedVEM, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)
         self.initial_head = initial_prior_head(cfg)  # every posterior starts at the prior mean w^0
         self.vem = VEMProtocol(cfg.vem_protocol, cfg.vem_sampling_rate, cfg.vem_initial_sigma)
-        initial_s = softplus_inverse(self.vem.initial_sigma)
-        self.initial_scale = {key: np.full_like(value, initial_s) for key, value in self.initial_head.items()}
         self.sample: list[int] = []  # S_t (partition-ids), drawn by select()
 
     @property
@@ -103,19 +104,13 @@ class Server(ServerPart):
                 f"(seed {self.cfg.seed}, round)) is aggregated"]
 
     def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
-        """Beside the client's posterior mean (its head): the prior mean w and its scales s."""
-        scale = state.personal_part(SCALE, partition_id, self.initial_scale)
+        """Beside the client's posterior mean (its head): the prior mean w."""
+        del partition_id
         prior = state.shared[HEAD]
-        return {p.POSTERIOR: {p.PRIOR_WEIGHT: prior[p.HEAD_WEIGHT], p.PRIOR_BIAS: prior[p.HEAD_BIAS],
-                              p.SCALE_WEIGHT: scale[p.HEAD_WEIGHT], p.SCALE_BIAS: scale[p.HEAD_BIAS]}}, {}
-
-    def statistics_shapes(self) -> dict[str, tuple[int, ...]]:
-        num_classes, dim = self.head_template[p.HEAD_WEIGHT].shape
-        return {p.SCALE_WEIGHT: (num_classes, dim), p.SCALE_BIAS: (num_classes,)}
+        return {p.POSTERIOR: {p.PRIOR_WEIGHT: prior[p.HEAD_WEIGHT], p.PRIOR_BIAS: prior[p.HEAD_BIAS]}}, {}
 
     def check(self, update: Update) -> Update:
-        """rho with a finite, positive confidence 1/rho^2; the local model's accuracy in [0, 1];
-        the scales under the model's own head keys, finite in its dtype."""
+        """rho with a finite, positive confidence 1/rho^2; the local model's accuracy in [0, 1]."""
         rho = metric(update.metrics, p.RHO)
         # tau = 1 / rho^2 weighs the client in the prior mean: rho = 0 would be an infinite weight,
         # a rho whose square overflows a zero one (and an all-zero sum of weights)
@@ -125,12 +120,7 @@ class Server(ServerPart):
         local = metric(update.metrics, p.LOCAL_ACCURACY)
         if not 0.0 <= local <= 1.0:
             raise InvalidReply(f"local accuracy {local} outside [0, 1]")
-        stats = update.statistics
-        scale = {p.HEAD_WEIGHT: finite_as(stats[p.SCALE_WEIGHT], self.head_template[p.HEAD_WEIGHT].dtype,
-                                          "posterior scales"),
-                 p.HEAD_BIAS: finite_as(stats[p.SCALE_BIAS], self.head_template[p.HEAD_BIAS].dtype,
-                                        "posterior scales")}
-        return dataclasses.replace(update, parsed={"rho": rho, "scale": scale})
+        return dataclasses.replace(update, parsed={"rho": rho})
 
     def trains_every_client(self, fraction_train: float) -> bool:
         # with a sample S_t that alone trains, fraction-train = 1 no longer means everyone trains
@@ -161,7 +151,6 @@ class Server(ServerPart):
         state.shared[EXTRACTOR] = result.extractor
         for update in updates:  # the posterior persists: never reset to w
             state.keep(HEAD, update.partition_id, dict(update.head))
-            state.keep(SCALE, update.partition_id, update.parsed["scale"])
         state.shared[HEAD] = {weight_key: result.weight, bias_key: result.bias}
         aggregated = [updates[i].partition_id for i in result.used]
         log(INFO, "Round %d: base and global head aggregated over partitions %s of S_t %s",
