@@ -232,10 +232,15 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     # The mutation score leaves out the mutants no test could kill (equivalent: the program's
     # behaviour is unchanged); mutmut's own score counts them as survivors.
     equivalent = sum(triage.get(name, "").startswith("equivalent") for name, _, _ in survivors)
+    # survivors that a test written after the run kills (its verdict names the test): the score
+    # with them counts them as killed, until a run with those tests confirms it
+    killed_since = sum(triage.get(name, "").startswith("killed since") for name, _, _ in survivors)
     scored = tested(totals) - equivalent
     summary: dict[str, Any] = {
         "score": round(100.0 * killed / scored, 2) if scored else 0.0,
         "interval_95": wilson_interval(killed, scored) if sampled else None,
+        "score_with_tests_added_since": round(100.0 * (killed + killed_since) / scored, 2) if scored else 0.0,
+        "killed_since": killed_since,
         "mutmut_score": round(score(totals), 2),
         "mutants": sum(totals.values()),
         "tested": tested(totals),
@@ -251,7 +256,8 @@ def write_report(works: dict[str, Path], out: Path, mutmut: str, wall: float | N
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     interval = f", 95 % interval {summary['interval_95'][0]}-{summary['interval_95'][1]} %" if sampled else ""
     lines = [f"# Surviving mutants ({len(survivors)} of {summary['tested']} tested, {equivalent} of them "
-             f"equivalent; score {summary['score']} %{interval})", ""]
+             f"equivalent; score {summary['score']} %{interval}; {killed_since} killed since by tests written "
+             f"for them: {summary['score_with_tests_added_since']} % with those)", ""]
     for name, status, group in survivors:
         lines += [f"## {name} ({status})", "", f"Verdict: {triage.get(name, 'not triaged')}", "", "```diff",
                   diff_of(works[group], name, mutmut), "```", ""]

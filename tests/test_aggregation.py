@@ -266,3 +266,14 @@ def test_a_pfedvem_round_without_a_reply_from_the_sample_keeps_the_prior_and_the
     assert sorted(state.personal[HEAD]) == [0, 1]
     for pid, sent in enumerate(heads):
         np.testing.assert_array_equal(state.personal[HEAD][pid]["head.weight"], sent["head.weight"])
+
+
+def test_the_global_centroids_come_back_in_the_models_float32_whatever_their_inputs():
+    """The class-count-weighted mean is taken in float64 and handed out in float32, the dtype the
+    clients align their features to, with or without previous centroids."""
+    local = np.arange(12, dtype=np.float64).reshape(2, 3, 2) / 7
+    counts = np.array([[1, 0, 2], [3, 0, 1]])
+    for previous in (None, np.ones((3, 2), np.float32)):
+        centroids, mask = aggregate_centroids(local, counts, previous, None if previous is None else np.ones(3, bool))
+        assert centroids.dtype == np.float32 and mask.tolist() == [True, previous is not None, True]
+        np.testing.assert_allclose(centroids[0], (local[0, 0] * 1 + local[1, 0] * 3) / 4, rtol=1e-6)

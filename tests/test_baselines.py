@@ -6,6 +6,7 @@ alignment-only ablation keep every head local; Local-only keeps every whole mode
 each method sends and accepts only the records its server step uses.
 """
 
+import copy
 import json
 import logging
 import os
@@ -21,12 +22,13 @@ from client_app.app import client_tensors
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
 from common.methods import METHODS, Rule
+from common.methods.base import Alignment, Method
 from common.methods.client import SITE_PARTS, ClientResult, LocalData, Received, client_routine
 from common.methods.fedpac.server import CENTROIDS
 from common.methods.pfedvem.server import SCALE
 from common.methods.server import EXTRACTOR, HEAD, server_part
 from common.model import HEAD_PREFIX, FedPACNet, part_of, split_state
-from common.training import evaluate
+from common.training import evaluate, train_head
 from common.site_state import SiteStore
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model, run_fedpac
@@ -394,6 +396,31 @@ def test_fedavg_ft_fine_tunes_the_head_before_evaluating_and_is_deterministic():
     again = _evaluate("fedavg-ft", state)
     assert tuned["loss"] < plain["loss"]  # one epoch on the client's own labels helps at once
     assert tuned["loss"] == again["loss"] and tuned["accuracy"] == again["accuracy"]
+
+
+def test_fedavg_ft_fine_tunes_at_the_baselines_step_size_not_fedpacs_head_step():
+    """FedAvg-FT's fine-tuning is the authors' ``local_fine_tuning``: the classifier at the common
+    step size eta (``extractor-lr``), whatever FedPAC's ``head-lr`` is."""
+    model, x, y = _data()
+    cfg = FedPACConfig(strategy="fedavg-ft", finetune_epochs=1, batch_size=8, extractor_lr=0.05, head_lr=0.5)
+    by_routine = client_routine(METHODS["fedavg-ft"]).before_evaluation(model, LocalData(x, y, x, y), cfg,
+                                                                         torch.Generator().manual_seed(4))
+    by_hand = copy.deepcopy(model)
+    train_head(by_hand, x, y, cfg, torch.Generator().manual_seed(4), epochs=1, lr=0.05)
+    for key, value in by_hand.state_dict().items():
+        torch.testing.assert_close(by_routine.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_a_method_whose_parts_cannot_work_together_is_refused_saying_why():
+    cases = [
+        (dict(head=Rule.MIX, extractor=Rule.LOCAL), "head mix needs an averaged extractor"),
+        (dict(extractor=Rule.LOCAL, alignment=Alignment.CENTROIDS), "feature alignment needs an averaged extractor"),
+        (dict(alignment=Alignment.ANCHORS), "anchors come from, and only from, clustered heads"),
+        (dict(head=Rule.CONFIDENCE, alignment=Alignment.CENTROIDS), "posteriors come with an averaged extractor"),
+    ]
+    for parts, reason in cases:
+        with pytest.raises(ValueError, match=f"odd: {reason}"):
+            Method("odd", **parts)
 
 
 # ---------------------------------------------------------------------------- config, resume

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, FedPACConfig, dataset_defaults_note, method_settings, parse_run_config
+from common.config import (ConfigError, FedPACConfig, configured_normalization, dataset_defaults_note, method_settings,
+                           parse_run_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +93,13 @@ def test_the_dataset_sets_its_step_size_unless_the_run_config_does():
     assert "0.05 from the run config, instead of the paper's 0.02" in dataset_defaults_note(
         explicit, parse_run_config(explicit))
     assert dataset_defaults_note({}, parse_run_config({})) is None
+
+
+def test_a_fixed_normalization_needs_its_mean_and_its_std_together():
+    """The run config refuses one without the other (parse_run_config); a config built in code is
+    refused where the normalization is read."""
+    assert configured_normalization(FedPACConfig()) is None
+    assert configured_normalization(FedPACConfig(normalize_mean="0.5", normalize_std="0.25")) == ((0.5,), (0.25,))
+    for alone in (FedPACConfig(normalize_mean="0.5"), FedPACConfig(normalize_std="0.25")):
+        with pytest.raises(ConfigError, match="'normalize-mean' and 'normalize-std' must be set together"):
+            configured_normalization(alone)

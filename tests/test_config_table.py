@@ -211,6 +211,10 @@ def test_a_bad_value_is_refused_with_the_key_and_the_reason(key, bad):
         _parse(key, bad.value, bad.given)
     message = str(err.value)
     assert f"run config '{key}'" in message and bad.fragment in message, message
+    # a message that quotes the value quotes the one given, not some other
+    quotes = f"run config '{key}' = " in message and "finite" not in bad.fragment  # NaN, Inf, 10**400 print otherwise
+    if quotes and isinstance(bad.value, (int, float)):
+        assert f"run config '{key}' = {bad.value!r}" in message, message
 
 
 def test_every_bad_row_is_bad_only_by_its_own_value():

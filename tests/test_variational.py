@@ -27,6 +27,7 @@ from common.variational import (
     sampled_mean_nll,
     softplus_inverse,
     summed_nll,
+    VEMProtocol,
 )
 
 D_FEAT, K = 6, 4
@@ -325,3 +326,47 @@ def test_sample_weighted_bases_with_nan_guard():
     empty = aggregate_bases(states[2:3], [5], previous={"a": np.zeros(2, np.float32)})
     assert empty.used == [] and np.array_equal(empty.state["a"], np.zeros(2))
     assert aggregate_bases(states[2:3], [5]).state is None
+
+
+def test_every_unusable_rho_is_excluded_with_its_own_reason():
+    """A negative, NaN or infinite rho is no confidence at all (an infinite rho would weigh 0 and,
+    alone, divide 0 by 0): each is excluded, saying why, and the others are averaged."""
+    ones_w, ones_b = np.ones((2, 2)), np.ones(2)
+    out = aggregate_heads([ones_w, ones_w * 3, ones_w * 5, ones_w * 7], [ones_b] * 4,
+                          [1.0, -0.5, float("nan"), float("inf")])
+    assert out.used == [0] and sorted(out.excluded) == [1, 2, 3]
+    assert all("is not a finite non-negative number" in out.excluded[j] for j in (1, 2, 3))
+    np.testing.assert_array_equal(out.weight, ones_w)
+    with pytest.raises(ValueError, match="no usable head"):
+        aggregate_heads([ones_w], [ones_b], [float("inf")])
+
+
+@pytest.mark.parametrize("beta, previous", [(0.5, None), (1.5, (np.ones((2, 2)), np.ones(2))), (-0.1, None)])
+def test_server_momentum_needs_a_beta_in_0_1_and_the_previous_head(beta, previous):
+    with pytest.raises(ValueError, match="beta must be in \\[0, 1\\], and beta > 0 needs the previous head"):
+        aggregate_heads([np.ones((2, 2))], [np.ones(2)], [1.0], previous=previous, beta=beta)
+
+
+def test_a_posterior_whose_scales_do_not_fit_its_means_is_refused():
+    head, w, b = make_head()
+    with pytest.raises(ValueError, match="scales must have the shapes of the means"):
+        GaussianHead(head.weight_mu, head.bias_mu, head.weight_s[:, :2], head.bias_s)
+
+
+def test_a_sample_is_the_mean_plus_sigma_times_a_standard_normal_draw_in_the_heads_dtype():
+    """The reparameterization w = mu + sigma * eps, eps ~ N(0, I) drawn from the generator in
+    the head's own dtype (a float64 head draws float64 noise, which is another sequence)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = initial_global_head(D_FEAT, K, generator=g)
+    head = GaussianHead.from_prior(w.double(), b.double(), scale=0.5)
+    weight, bias = head.rsample(torch.Generator().manual_seed(7))
+    expected = torch.Generator().manual_seed(7)
+    eps_w = torch.randn(head.weight_mu.shape, generator=expected, dtype=torch.float64)
+    eps_b = torch.randn(head.bias_mu.shape, generator=expected, dtype=torch.float64)
+    torch.testing.assert_close(weight, head.weight_mu + F.softplus(head.weight_s) * eps_w, rtol=0, atol=0)
+    torch.testing.assert_close(bias, head.bias_mu + F.softplus(head.bias_s) * eps_b, rtol=0, atol=0)
+
+
+def test_a_sampling_rate_outside_0_1_is_refused_with_the_rate():
+    with pytest.raises(ValueError, match=r"the sampling rate must be in \(0, 1\], got 1.5"):
+        VEMProtocol(sampling_rate=1.5)
