@@ -172,6 +172,8 @@ def test_fedccfa_under_a_sudden_drift_through_flwr_run(flower_env, tmp_path):
 
 
 def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
+    sites = Path(flower_env["FLWR_HOME"]) / "fedpac-site-state"  # the simulated sites' disks
+    earlier_runs = set(sites.glob("*"))
     run_id, status = flwr_run(
         flower_env,
         "strategy='pfedvem' partition='vem-pairs' class-train-samples=100 class-test-samples=30 "
@@ -192,8 +194,13 @@ def test_pfedvem_on_its_label_skew_through_flwr_run(flower_env, tmp_path):
     assert all(float(row["rho"]) > 0 for row in trained)
     assert (run_dir / "confidence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with np.load(run_dir / "final_state.npz") as state:
-        # the clients' posterior scales (client-<pid>/scale/head.weight, ...)
-        assert any(key.startswith("client-") and "/scale/" in key for key in state.files)
+        # the clients' posterior means (client-<pid>/head/head.weight, ...); their scales stay at the sites
+        assert any(key.startswith("client-") and "/head/" in key for key in state.files)
+        assert not [key for key in state.files if "/scale/" in key]
+    (run_folder,) = set(sites.glob("*")) - earlier_runs
+    # every site trained in the full last round: each kept its scales
+    kept = {path.parent.name for path in run_folder.glob("partition-*/round-3.npz")}
+    assert kept == {f"partition-{pid}" for pid in range(4)}
 
 
 @pytest.mark.parametrize("method,own_metric", [("fedprox", None), ("ditto", "personal-loss"), ("fedbabu", None)])
