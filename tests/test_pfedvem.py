@@ -532,3 +532,15 @@ def test_pfedvem_defaults_are_the_authors_cifar10_values_and_it_samples_by_itsel
     with pytest.raises(ConfigError, match="'fraction-train' = 0.5 is invalid: must be 1 with strategy 'pfedvem'"):
         parse_run_config({"strategy": "pfedvem", "fraction-train": 0.5})
     parse_run_config({"strategy": "fedpac", "fraction-train": 0.5})  # the others sample as before
+
+
+def test_sampled_train_names_the_partitions_of_s_t_that_no_node_serves(caplog):
+    """With sampled-train, only S_t trains: a partition of S_t without a connected node cannot, and
+    the log says which, and the round goes on with the others."""
+    cfg = parse_run_config({**BASE, "vem-protocol": "sampled-train", "vem-sampling-rate": 1.0})
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(cfg).state_dict().items()})
+    server = server_part(PFEDVEM, cfg, extractor, head)
+    with caplog.at_level(logging.WARNING):
+        chosen = server.select([0, 2], population=4, server_round=1, full=False)
+    assert server.sample == [0, 1, 2, 3] and chosen == [0, 2]
+    assert "round 1: partitions [1, 3] of S_t have no connected node" in caplog.text
