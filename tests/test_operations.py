@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,3 +280,17 @@ def test_local_shuffling_is_reseeded_every_round_and_repeats_with_the_same_seed(
     other_seed, _ = train(1, seed=1)
     assert not any(torch.equal(a, b) for a, b in zip(round_1, other_partition))
     assert not any(torch.equal(a, b) for a, b in zip(round_1, other_seed))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_every_round_records_the_seconds_it_took(tmp_path, fused):
+    """rounds.csv's seconds: a round lasts from its train message to its evaluation's end (fused:
+    to the next round's train message), a positive time no longer than the whole run."""
+    config = {**SMALL, "num-server-rounds": 2, "fused-evaluation": fused, "output-dir": str(tmp_path)}
+    started = time.time()
+    run(InProcessGrid(config, 3), config)
+    elapsed = time.time() - started
+    (run_dir,) = tmp_path.iterdir()
+    rows = list(csv.DictReader((run_dir / "rounds.csv").open()))
+    assert [row["round"] for row in rows] == ["1", "2"]
+    assert all(0 < float(row["seconds"]) <= elapsed for row in rows), (rows, elapsed)
