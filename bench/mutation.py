@@ -6,7 +6,9 @@ negated, ...) and runs the tests that reach the changed function against it; a m
 one of them passes *survived*. The score is the share of mutants killed (a timeout counts as
 killed, as in mutmut's own score) among those that are not equivalent
 (``bench/mutation_triage.toml`` names them, each with the reason no test can tell it from the
-product). The scope is the core of the product and the code around it, in ``GROUPS``: each
+product); a survivor whose verdict is "killed since: <test>" counts as killed in the second score
+the report gives, ``score_with_tests_added_since`` (a test written for it after the run, which
+fails with the mutant applied by hand). The scope is the core of the product and the code around it, in ``GROUPS``: each
 group of files is tested against the quick-tier test files written for it.
 
 Why mutmut: it is maintained and the most used mutation tool for Python; it runs each mutant in a

@@ -391,6 +391,10 @@ ROWS: list[Row] = [
     Row("num-examples above max-samples-per-client", (TRAIN, QUERY), lambda r: None,
         f"num-examples {TRAIN_SAMPLES} is above max-samples-per-client = {TRAIN_SAMPLES - 1}",
         max_samples=TRAIN_SAMPLES - 1),
+    # the bound is on the training samples, not the test samples the pre-flight also reports
+    Row("num-examples above max-samples-per-client, few test examples", (QUERY,), set_metric("test-examples", 1),
+        f"num-examples {TRAIN_SAMPLES} is above max-samples-per-client = {TRAIN_SAMPLES - 1}",
+        max_samples=TRAIN_SAMPLES - 1),
     Row("no train-loss", (TRAIN,), drop_metric(p.TRAIN_LOSS), "missing metric 'train-loss'"),
     Row("an infinite train-loss", (TRAIN,), set_metric(p.TRAIN_LOSS, float("inf")),
         "'train-loss' = inf is not a finite"),
