@@ -97,12 +97,10 @@ HEAD_BIAS = "head.bias"
 BALANCED_WEIGHT = "balanced-head.weight"
 BALANCED_BIAS = "balanced-head.bias"
 GENERALIZED_ACCURACY = "generalized-accuracy"
-# pFedVEM: the prior mean w and a posterior's pre-softplus scales s (sigma = softplus(s)),
+# pFedVEM: the prior mean w the server sends (its posterior scales stay at the site),
 # (K, d) and (K,) like the head
 PRIOR_WEIGHT = "prior.weight"
 PRIOR_BIAS = "prior.bias"
-SCALE_WEIGHT = "scale.weight"
-SCALE_BIAS = "scale.bias"
 RHO = "rho"  # the client's prior scale rho_j (eq. 7), taken before its E-step; tau_j = 1 / rho_j^2
 LOCAL_ACCURACY = "local-accuracy"  # the locally trained model before aggregation (pFedVEM's own)
 LOCAL_LOSS = "local-loss"

@@ -187,8 +187,8 @@ def parse_train_reply(
     unexpected = sorted(key for key in arrays if part_of(key) not in shared)
     if unexpected:
         raise InvalidReply(f"unexpected model array(s) {unexpected[:3]}")
-    templates = {EXTRACTOR: server.extractor_template, HEAD: server.head_template}
-    model = {part: _check_arrays({k: v for k, v in arrays.items() if part_of(k) == part}, templates[part], part)
+    model = {part: _check_arrays({k: v for k, v in arrays.items() if part_of(k) == part},
+                                 server.part_template(part), part)
              for part in shared}
     extractor, head = model.get(EXTRACTOR, {}), model.get(HEAD, {})
     stats = _parse_statistics(sections, expected)

@@ -130,10 +130,13 @@ class ServerPart:
                          else state.shared[HEAD])
         return model
 
+    def part_template(self, part: str) -> p.NDArrays:
+        """The arrays of one model part (``extractor`` or ``head``) as the model has them."""
+        return self.extractor_template if part == EXTRACTOR else self.head_template
+
     def reply_template(self) -> p.NDArrays:
         """The model arrays a training reply carries: those of the parts the method shares."""
-        parts = {EXTRACTOR: self.extractor_template, HEAD: self.head_template}
-        return {key: value for part in self.method.shared_parts for key, value in parts[part].items()}
+        return {key: value for part in self.method.shared_parts for key, value in self.part_template(part).items()}
 
     def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
         """What a train message carries besides the model: sections and config entries."""
