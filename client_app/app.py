@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from logging import INFO
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
+from flwr.common.logger import log
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.utils import get_flwr_home
 
 from common import protocol as p
-from common.config import FedPACConfig, configured_method, parse_run_config
+from common.config import FedPACConfig, configured_method, parse_run_config, privacy_settings, sites_keep_state
 from common.cpu import keep_freed_memory
 from common.data import check_shape, load_client_directory, load_dataset, run_normalization, to_tensors
 from common.drift import Drift, label_map
 from common.methods.base import Method
-from common.methods.client import (SITE_PARTS, LocalData, Received, SiteState, client_routine, only_parts,
-                                   site_model_state)
+from common.methods.client import (SITE_PARTS, ClientResult, LocalData, Received, SiteState, client_routine,
+                                   only_parts, site_model_state)
 from common.model import FedPACNet, initial_model, weights_digest
+from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, calibrate, private_site
 from common.site_state import SiteStore, check_lineage
 from common.partition import client_split
 from common.training import evaluate_head, extract_features
@@ -164,14 +169,15 @@ def site_state_root(context: Context) -> Path:
     return Path(model_dir) / "site-state" if model_dir else get_flwr_home() / "fedpac-site-state"
 
 
-def site_store(msg: Message, context: Context, method: Method) -> SiteStore | None:
-    """The site's store for this run's lineage (``common.site_state``), when its method keeps
-    anything at the site."""
-    if not method.keeps_anything_at_site:
+def site_store(msg: Message, context: Context, cfg: FedPACConfig) -> SiteStore | None:
+    """The site's store for this run's lineage (``common.site_state``), when the site keeps
+    anything between rounds (``common.config.sites_keep_state``)."""
+    if not sites_keep_state(cfg):
         return None
     config = msg.content.config_records[p.CONFIG]
     if p.LINEAGE_RUNS not in config or p.LINEAGE_STARTS not in config:
-        raise ValueError(f"the server sent no run lineage; {method.name} keeps parts of its model at the site")
+        raise ValueError(f"the server sent no run lineage; the sites of this {cfg.strategy} run keep "
+                         "state between rounds")
     lineage = check_lineage(list(config[p.LINEAGE_RUNS]), list(config[p.LINEAGE_STARTS]))  # type: ignore[arg-type]
     return SiteStore(site_state_root(context), partition_of(context)[0], lineage)
 
@@ -204,12 +210,93 @@ def _setup(msg: Message, context: Context):
     return cfg, partition_id, device, p.sections_of(msg.content)
 
 
+def _seed(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> int:
+    """A seed of (seed, round, partition-id), so a resumed run repeats what it seeds exactly;
+    ``purpose`` separates streams (training 0, FedAvg-FT's fine-tuning 1, privacy noise 2)."""
+    return cfg.seed * 1_000_003 + server_round * 1_009 + partition_id + purpose * 7_919_011
+
+
 def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> torch.Generator:
-    """Shuffling seeded by (seed, round, partition-id), so a resumed run repeats it exactly;
-    ``purpose`` separates streams (training 0, FedAvg-FT's fine-tuning 1)."""
-    return torch.Generator().manual_seed(
-        cfg.seed * 1_000_003 + server_round * 1_009 + partition_id + purpose * 7_919_011
-    )
+    """Shuffling seeded by :func:`_seed`."""
+    return torch.Generator().manual_seed(_seed(cfg, server_round, partition_id, purpose))
+
+
+# What a site keeps of its differential privacy (``common.privacy``): the ledger of everything it
+# released in the run so far, what its last round released (a budget's look-ahead), and the
+# factor its noise multipliers were calibrated with (dp-target-epsilon).
+PRIVACY, SPENT, LAST_ROUND, FACTOR = "privacy", "spent", "last-round", "noise-factor"
+NOISE = 2
+
+
+def _noise_factor(method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+                  settings: PrivacySettings, partition_id: int) -> float:
+    """The factor on both noise multipliers with which the run's remaining rounds reach
+    dp-target-epsilon: a trial of this round's local update on copies counts one round's
+    releases (nothing of the trial leaves the site or stays; only n, which is public, shapes
+    what it counts)."""
+    trial = dataclasses.replace(data, state=SiteState(copy.deepcopy(data.state.kept)))
+    with private_site(settings, _seed(cfg, received.server_round, partition_id, NOISE)) as site:
+        client_routine(method).local_update(copy.deepcopy(model), trial, received, cfg,
+                                            _generator(cfg, received.server_round, partition_id))
+    rounds = max(1, settings.rounds - received.server_round + 1)
+    factor = calibrate(site.ledger, rounds, settings.target_epsilon, settings.delta)
+    log(INFO, "partition %d: noise multipliers %.4g (gradients) and %.4g (statistics) reach epsilon = %g at "
+        "delta = %g in %d rounds", partition_id, settings.noise_multiplier * factor,
+        settings.statistics_noise_multiplier * factor, settings.target_epsilon, settings.delta, rounds)
+    return factor
+
+
+def _private_update(  # pylint: disable=too-many-arguments
+    method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+    settings: PrivacySettings, partition_id: int, store: SiteStore | None,
+) -> ClientResult:
+    """The method's local update with every release private (``common.privacy.private_site``),
+    its cost added to the site's ledger, and the site's epsilon in its log and reply metrics.
+
+    With a budget the site stops before its epsilon would pass it: when its last round's releases
+    would take it over, without training; otherwise when this round's did, before anything of
+    it leaves the site. Nothing is spent then, and the run goes on without the site.
+    """
+    server_round = received.server_round
+    before = dict(data.state.kept)  # as the site kept it: a round over budget keeps nothing of its own
+    kept = data.state.get(PRIVACY) or {}
+    spent = Ledger.from_array(kept[SPENT]) if SPENT in kept else Ledger()
+    last = Ledger.from_array(kept[LAST_ROUND]) if LAST_ROUND in kept else Ledger()
+    if settings.target_epsilon:
+        factor = float(kept[FACTOR][0]) if FACTOR in kept else _noise_factor(
+            method, model, data, received, cfg, settings, partition_id)
+        kept = {**kept, FACTOR: np.array([factor])}
+        settings = settings.scaled(factor)
+    budget = settings.epsilon_budget
+    if budget and last.history:
+        _check_budget(spent, spent.then(last), settings, partition_id, server_round)
+    with private_site(settings, _seed(cfg, server_round, partition_id, NOISE)) as site:
+        result = client_routine(method).local_update(model, data, received, cfg,
+                                                     _generator(cfg, server_round, partition_id))
+    total = spent.then(site.ledger)
+    if budget:
+        try:
+            _check_budget(spent, total, settings, partition_id, server_round)
+        except PrivacyBudgetSpent:
+            if store is not None:  # the next round refuses without training
+                store.save(server_round, {**before, PRIVACY: {**kept, LAST_ROUND: site.ledger.to_array()}})
+            raise
+    epsilon = total.epsilon(settings.delta)
+    log(INFO, "partition %d, round %d: differential privacy epsilon = %.4g at delta = %g%s", partition_id,
+        server_round, epsilon, settings.delta, f" (budget {budget:g})" if budget else "")
+    data.state.put(PRIVACY, {**kept, SPENT: total.to_array(), LAST_ROUND: site.ledger.to_array()})
+    return dataclasses.replace(result, metrics={**result.metrics, p.DP_EPSILON: epsilon})
+
+
+def _check_budget(spent: Ledger, after: Ledger, settings: PrivacySettings, partition_id: int,
+                  server_round: int) -> None:
+    """Raise :class:`PrivacyBudgetSpent` when ``after`` passes the site's budget."""
+    epsilon = after.epsilon(settings.delta)
+    if epsilon > settings.epsilon_budget:
+        raise PrivacyBudgetSpent(
+            f"partition {partition_id} stops training at round {server_round}: its epsilon would go from "
+            f"{spent.epsilon(settings.delta):.4g} to {epsilon:.4g} at delta = {settings.delta:g}, over its "
+            f"budget dp-epsilon-budget = {settings.epsilon_budget:g}")
 
 
 @app.train()
@@ -225,7 +312,7 @@ def train(msg: Message, context: Context) -> Message:
     method = configured_method(cfg)
     server_round = server_round_of(msg)
     evaluate_round = evaluate_round_of(msg, server_round)
-    store = site_store(msg, context, method)
+    store = site_store(msg, context, cfg)
     kept = store.load(server_round - 1) if store is not None else {}
     model = _model_from(sections, kept, method, cfg, device)
     evaluation = None
@@ -235,8 +322,12 @@ def train(msg: Message, context: Context) -> Message:
     data = _local_data(cfg, context, device, server_round, kept)
     received = Received(server_round=server_round, sections={k: v for k, v in sections.items() if k != p.MODEL},
                         config=dict(msg.content.config_records[p.CONFIG]))
-    generator = _generator(cfg, server_round, partition_id)
-    result = client_routine(method).local_update(model, data, received, cfg, generator)
+    settings = privacy_settings(cfg)
+    if settings is None:
+        result = client_routine(method).local_update(model, data, received, cfg,
+                                                     _generator(cfg, server_round, partition_id))
+    else:
+        result = _private_update(method, model, data, received, cfg, settings, partition_id, store)
 
     metrics = MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: result.num_examples,
                             p.TRAIN_LOSS: result.train_loss, **result.metrics,
@@ -286,7 +377,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg, _, device, sections = _setup(msg, context)
     method = configured_method(cfg)
     server_round = server_round_of(msg)
-    store = site_store(msg, context, method)
+    store = site_store(msg, context, cfg)
     kept = store.load(server_round) if store is not None else {}
     metrics = _evaluation(_model_from(sections, kept, method, cfg, device), cfg, context, server_round, kept)
     return Message(content=RecordDict({p.METRICS: metrics}), reply_to=msg)

@@ -17,6 +17,7 @@ from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS
 from common.methods.base import Method, settings_of
 from common.methods.pfedvem import SAMPLE_PROTOCOLS
+from common.privacy import PrivacySettings
 from common.sites import PartitionMap
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
@@ -165,6 +166,22 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # values ("0.5" or "0.49,0.48,0.45"); empty = the dataset's constants (``common.data``).
     normalize_mean: str = ""
     normalize_std: str = ""
+    # Record-level differential privacy at every site (``common.privacy``), off by default: DP-SGD
+    # for every gradient step (each record's gradient clipped to dp-max-grad-norm, Gaussian noise
+    # of dp-noise-multiplier times that), the feature statistics from features clipped to
+    # dp-feature-clip with noise of dp-statistics-noise-multiplier times their sensitivity, and one
+    # accountant per site whose epsilon at dp-delta is reported every round. With
+    # dp-epsilon-budget > 0 a site stops training before its epsilon would pass the budget.
+    dp: bool = False
+    dp_noise_multiplier: float = 1.0
+    dp_max_grad_norm: float = 1.0
+    dp_statistics_noise_multiplier: float = 10.0
+    dp_feature_clip: float = 10.0
+    dp_delta: float = 1e-5
+    dp_epsilon_budget: float = 0.0
+    # > 0: each site scales both noise multipliers by one factor, found before its first round, so
+    # that num-server-rounds rounds of its releases reach this epsilon (their ratio stays).
+    dp_target_epsilon: float = 0.0
     # Run
     seed: int = 0
     device: str = "auto"
@@ -261,6 +278,17 @@ def _validate(cfg: FedPACConfig) -> None:
     for name in ("weight_decay", "lambda_align"):
         value = getattr(cfg, name)
         _check(value >= 0, k(name), value, ">= 0")
+    for name in ("dp_noise_multiplier", "dp_max_grad_norm", "dp_statistics_noise_multiplier", "dp_feature_clip"):
+        value = getattr(cfg, name)
+        _check(value > 0, k(name), value, "> 0")
+    _check(0.0 < cfg.dp_delta < 1.0, k("dp_delta"), cfg.dp_delta, "in (0, 1)")
+    _check(cfg.dp_epsilon_budget >= 0, k("dp_epsilon_budget"), cfg.dp_epsilon_budget, ">= 0 (0: no budget)")
+    _check(cfg.dp_target_epsilon >= 0, k("dp_target_epsilon"), cfg.dp_target_epsilon, ">= 0 (0: the noise as given)")
+    _check(not cfg.dp_epsilon_budget or cfg.dp_epsilon_budget >= cfg.dp_target_epsilon, k("dp_epsilon_budget"),
+           cfg.dp_epsilon_budget, f"0 or >= dp-target-epsilon = {cfg.dp_target_epsilon:g}: a smaller budget stops "
+           "every site before the last round")
+    _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
+           "false with dp = true (per-sample gradients are taken in float32)")
     _check(0.0 <= cfg.alpha_threshold < 1.0, k("alpha_threshold"), cfg.alpha_threshold, "in [0, 1)")
     _check(cfg.qp_solver in QP_SOLVERS, k("qp_solver"), cfg.qp_solver, f"one of {', '.join(QP_SOLVERS)}")
     _check(cfg.dataset in DATASETS, k("dataset"), cfg.dataset, f"one of {', '.join(DATASETS)}")
@@ -408,6 +436,22 @@ def method_settings() -> dict[str, Any]:
                                  f"{type(method).__name__}")
             keys[key] = field
     return keys
+
+
+def privacy_settings(cfg: FedPACConfig) -> PrivacySettings | None:
+    """The sites' differential privacy (``common.privacy``), or None when ``dp`` is off."""
+    if not cfg.dp:
+        return None
+    return PrivacySettings(noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_max_grad_norm,
+                           statistics_noise_multiplier=cfg.dp_statistics_noise_multiplier,
+                           feature_clip=cfg.dp_feature_clip, delta=cfg.dp_delta, epsilon_budget=cfg.dp_epsilon_budget,
+                           target_epsilon=cfg.dp_target_epsilon, rounds=cfg.num_server_rounds)
+
+
+def sites_keep_state(cfg: FedPACConfig) -> bool:
+    """Whether the run's sites keep anything from one round to the next: what their method keeps
+    there (``Method.keeps_anything_at_site``), or their privacy accountant's ledger."""
+    return cfg.dp or configured_method(cfg).keeps_anything_at_site
 
 
 def configured_method(cfg: FedPACConfig) -> Method:

@@ -102,6 +102,8 @@ GENERALIZED_ACCURACY = "generalized-accuracy"
 PRIOR_WEIGHT = "prior.weight"
 PRIOR_BIAS = "prior.bias"
 RHO = "rho"  # the client's prior scale rho_j (eq. 7), taken before its E-step; tau_j = 1 / rho_j^2
+# A site's epsilon at the run's delta after the round (differential privacy on: common.privacy)
+DP_EPSILON = "dp-epsilon"
 LOCAL_ACCURACY = "local-accuracy"  # the locally trained model before aggregation (pFedVEM's own)
 LOCAL_LOSS = "local-loss"
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common import privacy
+
 
 @dataclass(frozen=True)
 class ClassFeatureSums:
@@ -51,7 +53,13 @@ def class_feature_sums(
 
     Sums are accumulated in float64 on the data's device so that V (a difference of two
     similar magnitudes) keeps its precision.
+
+    With differential privacy on at this site (``common.privacy``) each feature vector is first
+    clipped to ``dp-feature-clip``, and the sums, the sums of squared norms and the counts are
+    released through the Gaussian mechanism: everything computed from them is then private.
     """
+    site = privacy.active()
+    clip = site.settings.feature_clip if site is not None else None
     was_training = extractor.training
     extractor.eval()
     device = images.device
@@ -60,6 +68,8 @@ def class_feature_sums(
     sums: torch.Tensor | None = None
     for start in range(0, len(images), batch_size):
         z = extractor(images[start : start + batch_size]).to(torch.float64)
+        if clip is not None:
+            z = privacy.clip_features(z, clip)
         y = labels[start : start + batch_size]
         if sums is None:
             sums = torch.zeros(num_classes, z.shape[1], dtype=torch.float64, device=device)
@@ -69,6 +79,10 @@ def class_feature_sums(
     extractor.train(was_training)
     if sums is None:
         raise ValueError("cannot compute feature statistics of an empty dataset")
+    if site is not None and clip is not None:
+        return ClassFeatureSums(counts=privacy.private_counts(labels, num_classes, site),
+                                sums=privacy.gaussian(sums, clip, site),
+                                sq_norm_sums=privacy.gaussian(sq_norm_sums, clip * clip, site))
     return ClassFeatureSums(counts=counts, sums=sums, sq_norm_sums=sq_norm_sums)
 
 
@@ -84,4 +98,6 @@ def feature_statistics(sums: ClassFeatureSums) -> FeatureStatistics:
     h = p.unsqueeze(1) * mu
     # sum_k p_k E[||z||^2 | k] is simply the mean of ||z||^2 over all samples.
     v = sums.sq_norm_sums.sum() / n - (p.square() * mu.square().sum(dim=1)).sum()
+    if privacy.active() is not None:  # noisy sums may give a V below 0, which no distribution has
+        v = v.clamp(min=0.0)
     return FeatureStatistics(num_samples=int(n.item()), h=h, v=float(v.item()))

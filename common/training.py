@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import privacy
 from common import protocol as p
 from common.config import FedPACConfig
 from common.model import FedPACNet
@@ -43,22 +44,75 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     batch_size: int,
     generator: torch.Generator,
     device: torch.device,
+    module: nn.Module,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> float:
     """The epoch loop every routine trains with: ``epochs`` passes over a fresh shuffle of the
-    ``num_samples`` samples, one ``optimizer`` step per minibatch on ``batch_loss(indices)``.
+    ``num_samples`` samples, one ``optimizer`` step per minibatch on ``batch_loss(indices)`` (a
+    mean over the minibatch's samples) plus ``penalty()`` (a term of the parameters alone).
+    ``module`` holds every parameter the optimizer trains.
+
+    With differential privacy on at this site (``common.privacy.active``) each step is DP-SGD's
+    instead: a Poisson sample of the records, each record's gradient clipped, Gaussian noise on
+    their sum, the penalty's gradient added after the noise, the steps recorded in the site's
+    ledger.
 
     Returns the mean loss over every sample seen (0 when no epoch ran). The running sum stays on
     the device: reading a loss back every step would wait for the GPU each time.
     """
+    site = privacy.active()
+    if site is not None:
+        return _private_sgd_epochs(site, optimizer, batch_loss, epochs, num_samples, batch_size, generator, device,
+                                   module, penalty)
     total, seen = torch.zeros((), device=device), 0
     for _ in range(epochs):
         for idx in _batches(num_samples, batch_size, generator, device):
             loss = batch_loss(idx)
+            if penalty is not None:
+                loss = loss + penalty()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             total += loss.detach() * len(idx)
             seen += len(idx)
+    return float(total / seen) if seen else 0.0
+
+
+def _private_sgd_epochs(  # pylint: disable=too-many-arguments,too-many-locals
+    site: privacy.PrivateSite,
+    optimizer: torch.optim.Optimizer,
+    batch_loss: Callable[[torch.Tensor], torch.Tensor],
+    epochs: int,
+    num_samples: int,
+    batch_size: int,
+    generator: torch.Generator,
+    device: torch.device,
+    module: nn.Module,
+    penalty: Callable[[], torch.Tensor] | None,
+) -> float:
+    """:func:`sgd_epochs` as DP-SGD (``common.privacy``)."""
+    settings = site.settings
+    rate = privacy.sample_rate(num_samples, batch_size)
+    steps = epochs * privacy.steps_per_epoch(num_samples, batch_size)
+    total, seen = torch.zeros((), device=device), 0
+    with privacy.PerSampleGradients(module) as per_sample:
+        params = per_sample.params
+        for _ in range(steps):
+            idx = privacy.poisson_batch(num_samples, rate, generator, device)
+            optimizer.zero_grad(set_to_none=True)
+            if len(idx):
+                loss = batch_loss(idx)
+                loss.backward()
+                total += loss.detach() * len(idx)
+                seen += len(idx)
+            noisy = privacy.private_gradient(per_sample.grads(len(idx)), settings, rate * num_samples, site.noise)
+            per_sample.clear()
+            if penalty is not None:
+                noisy = [g + d for g, d in zip(noisy, torch.autograd.grad(penalty(), params))]
+            for param, grad in zip(params, noisy):
+                param.grad = grad
+            optimizer.step()
+    site.ledger.record(settings.noise_multiplier, rate, steps)
     return float(total / seen) if seen else 0.0
 
 
@@ -95,7 +149,7 @@ def train_head(  # pylint: disable=too-many-arguments
         with autocast(x, cfg):
             return F.cross_entropy(model.head(features[idx]).float(), y[idx])
 
-    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
+    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device, model.head)
 
 
 def train_extractor(  # pylint: disable=too-many-arguments
@@ -133,7 +187,8 @@ def train_extractor(  # pylint: disable=too-many-arguments
 
     epochs = cfg.local_epochs if epochs is None else epochs
     try:
-        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device)
+        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device,
+                               model.extractor)
     finally:
         model.head.requires_grad_(True)
     seen = epochs * len(x)  # every epoch is one pass over all samples (sgd_epochs)
@@ -153,10 +208,10 @@ def train_joint(  # pylint: disable=too-many-arguments
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
         with autocast(x, cfg):
             logits = model(x[idx])
-        loss = F.cross_entropy(logits.float(), y[idx])
-        return loss if penalty is None else loss + penalty()
+        return F.cross_entropy(logits.float(), y[idx])
 
-    return sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device)
+    return sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device, model,
+                      penalty)
 
 
 def proximal_term(model: nn.Module, anchor: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
@@ -172,6 +227,11 @@ def parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def class_counts(y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """How many samples of each class ``y`` has, as the site releases them: exact, or with
+    differential privacy on, noised (``common.privacy.private_counts``)."""
+    site = privacy.active()
+    if site is not None:
+        return privacy.private_counts(y, num_classes, site)
     return torch.bincount(y, minlength=num_classes).to(torch.float64)
 
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import privacy
+
 from common.averaging import weighted_average
 from common.methods.pfedvem import SAMPLE_PROTOCOLS as PROTOCOLS
 
@@ -259,16 +261,21 @@ def e_step(
 
     A new optimizer each call (the code builds one per round). If the loss turns NaN, mu and s go
     back to their values at entry (the code checks its NLL; a non-finite parameter also restores
-    here, our addition).
+    here, our addition). With differential privacy on (``common.privacy``) each step's NLL
+    gradient is DP-SGD's over the whole set (sampling rate 1), the KL's added after the noise.
     """
     features, prior_weight, prior_bias = features.detach(), prior_weight.detach(), prior_bias.detach()
     saved = head.snapshot()
     optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=momentum)
     total = 0.0
+    site = privacy.active()
     for _ in range(steps):
         optimizer.zero_grad()
-        loss, nll, _ = negative_elbo(head, features, labels, prior_weight, prior_bias, rho, n_mc, generator)
-        loss.backward()
+        if site is None:
+            loss, nll, _ = negative_elbo(head, features, labels, prior_weight, prior_bias, rho, n_mc, generator)
+            loss.backward()
+        else:
+            nll = _private_elbo_gradient(head, features, labels, prior_weight, prior_bias, rho, n_mc, generator, site)
         optimizer.step()
         total += float(nll.item())
     train_loss = total / (max(steps, 1) * max(len(labels), 1))
@@ -277,6 +284,56 @@ def e_step(
     if restored:
         head.restore(saved)
     return EStepResult(train_loss=train_loss, restored=restored)
+
+
+def per_sample_nll_gradients(
+    head: GaussianHead, features: torch.Tensor, labels: torch.Tensor,
+    draws: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each sample's gradient of its NLL term (1/M) sum_m CE(z_i W_m + b_m, y_i), with the heads
+    W_m = mu + sigma * eps_m of ``draws`` (eps_W, eps_b), with respect to ``head.parameters()``
+    (one (n, *shape) tensor each), and the summed NLL. In closed form: dCE/dlogits = softmax - onehot,
+    and d sigma / d s = sigmoid(s)."""
+    n_mc = len(draws)
+    z = features.detach()
+    grad_w_mu = z.new_zeros((len(z), *head.weight_mu.shape))
+    grad_b_mu = z.new_zeros((len(z), *head.bias_mu.shape))
+    grad_w_s, grad_b_s = torch.zeros_like(grad_w_mu), torch.zeros_like(grad_b_mu)
+    nll = z.new_zeros(())
+    with torch.no_grad():
+        dsigma_w, dsigma_b = torch.sigmoid(head.weight_s), torch.sigmoid(head.bias_s)
+        onehot = F.one_hot(labels, head.bias_mu.numel()).to(z.dtype)
+        for eps_w, eps_b in draws:
+            logits = z @ (head.weight_mu + head.weight_sigma() * eps_w) + head.bias_mu + head.bias_sigma() * eps_b
+            nll += F.cross_entropy(logits, labels, reduction="sum") / n_mc
+            residual = (torch.softmax(logits, dim=1) - onehot) / n_mc  # (n, K)
+            grad_w = z.unsqueeze(2) * residual.unsqueeze(1)  # (n, d, K)
+            grad_w_mu += grad_w
+            grad_w_s += grad_w * (eps_w * dsigma_w)
+            grad_b_mu += residual
+            grad_b_s += residual * (eps_b * dsigma_b)
+    return [grad_w_mu, grad_b_mu, grad_w_s, grad_b_s], nll
+
+
+def _private_elbo_gradient(  # pylint: disable=too-many-arguments
+    head: GaussianHead, features: torch.Tensor, labels: torch.Tensor, prior_weight: torch.Tensor,
+    prior_bias: torch.Tensor, rho: float, n_mc: int, generator: torch.Generator | None, site: privacy.PrivateSite,
+) -> torch.Tensor:
+    """Set the head's gradients to one DP-SGD step's on the negative ELBO (the summed NLL's
+    per-sample gradients clipped and noised, the KL's exact); returns the summed NLL."""
+    draws = []
+    for _ in range(n_mc):  # rsample's draws, in its order
+        eps_w = torch.randn(head.weight_mu.shape, generator=generator, dtype=head.weight_mu.dtype)
+        eps_b = torch.randn(head.bias_mu.shape, generator=generator, dtype=head.bias_mu.dtype)
+        draws.append((eps_w.to(head.weight_mu.device), eps_b.to(head.bias_mu.device)))
+    per_sample, nll = per_sample_nll_gradients(head, features, labels, draws)
+    # the NLL is a sum over the samples, not a mean: the noisy sum is its gradient as it is
+    noisy = privacy.private_gradient(per_sample, site.settings, 1.0, site.noise)
+    kl = torch.autograd.grad(head_kl(head, prior_weight, prior_bias, rho), head.parameters())
+    for param, grad, kl_grad in zip(head.parameters(), noisy, kl, strict=True):
+        param.grad = grad + kl_grad
+    site.ledger.record(site.settings.noise_multiplier, 1.0)
+    return nll
 
 
 def sampled_mean_nll(

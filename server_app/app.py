@@ -16,7 +16,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from common import protocol as p
-from common.config import ConfigError, FedPACConfig, configured_method, dataset_defaults_note, parse_run_config
+from common.config import (ConfigError, FedPACConfig, configured_method, dataset_defaults_note, parse_run_config,
+                           sites_keep_state)
 from common.drift import drift_fields_free
 from common.methods.server import server_part
 from common.model import FedPACNet, split_state
@@ -172,6 +173,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
         seed=cfg.seed,
         sites=SiteRegistry(PartitionMap.parse(cfg.partition_map), trusted_claims=is_simulation(grid)),
         run_key=f"{directory.name}-{uuid.uuid4().hex[:12]}",  # run ids repeat across SuperLinks
+        sites_keep_state=sites_keep_state(cfg),
     )
     if isinstance(grid, ResponsiveGrid):  # a sealed reply is measured before it is opened
         grid.reply_limit = strategy.max_reply_bytes
@@ -189,7 +191,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
             seed=cfg.seed,
             strategy=cfg.strategy,
             config=asdict(cfg),
-            lineage=strategy.lineage if server.method.keeps_anything_at_site else (),
+            lineage=strategy.lineage if strategy.sites_keep_state else (),
         )
         write_round_outputs(report, record, checkpoint)
         write_status("running", record.round)

@@ -40,18 +40,24 @@ from common.files import atomic_write
 from common.methods import METHODS
 from common.methods.outputs import ChartContext, Outputs, schema
 from common.methods.server import registered_outputs, server_class
-from common.protocol import TRAIN_LOSS
+from common.protocol import DP_EPSILON, TRAIN_LOSS
 
 # The generic columns, every method's; the columns the registered methods declare follow them
 # (:func:`round_columns`, :func:`client_columns`).
 GENERIC_CLIENT_COLUMNS = (
     "round", "partition_id", "group", "trained", "accuracy", "generalized_accuracy", "test_loss",
-    "num_examples", "train_loss", "train_seconds", "eval_seconds", "bytes_sent", "bytes_received",
+    "num_examples", "train_loss", "train_seconds", "eval_seconds", "bytes_sent", "bytes_received", "dp_epsilon",
 )
 GENERIC_ROUND_COLUMNS = (
     "round", "mean_accuracy", "min_accuracy", "max_accuracy", "mean_generalized_accuracy", "num_evaluated",
-    "num_trained", "mean_train_loss", "bytes_sent", "bytes_received", "seconds", "num_rejected",
+    "num_trained", "mean_train_loss", "bytes_sent", "bytes_received", "seconds", "num_rejected", "max_dp_epsilon",
 )
+
+
+def max_epsilon(r: RoundRecord) -> float | str:
+    """The largest epsilon a site reported this round (differential privacy on), else ``""``."""
+    spent = [m[DP_EPSILON] for m in r.train.values() if DP_EPSILON in m]
+    return max(spent) if spent else ""
 
 
 def round_columns(*extra: Outputs) -> tuple[str, ...]:
@@ -287,12 +293,14 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
         generalized = (f" | generalized {100 * record.mean_generalized_accuracy:.2f}%"
                        if record.generalized else "")
         rejected = f" ({record.rejected} replies rejected)" if record.rejected else ""
+        epsilon = max_epsilon(record)
+        privacy = f" | epsilon <= {epsilon:.3g}" if epsilon != "" else ""
         return (
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
             f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized} | "
             f"{len(record.train)} trained{rejected}, loss {record.mean_train_loss:.4f}"
-            f"{self.outputs.log(record)} | {record.seconds:.1f}s"
+            f"{self.outputs.log(record)}{privacy} | {record.seconds:.1f}s"
         )
 
     # ------------------------------------------------------------------ tables
@@ -325,6 +333,7 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
                 "train_seconds": train.get("train-seconds", ""),
                 "eval_seconds": r.eval_seconds.get(pid, ""),
                 "bytes_sent": r.bytes_sent.get(pid, ""), "bytes_received": r.bytes_received.get(pid, ""),
+                "dp_epsilon": train.get(DP_EPSILON, ""),
                 **{c.name: c.value(r, pid) for c in self.outputs.client_columns},
             })
         return rows
@@ -340,6 +349,7 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
             "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
             "seconds": r.seconds,
             "num_rejected": r.rejected,
+            "max_dp_epsilon": max_epsilon(r),
             **{c.name: c.value(r) for c in self.outputs.round_columns},
         }
 

@@ -114,6 +114,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         sites: SiteRegistry | None = None,
         on_round_end: Callable[[RoundRecord], None] | None = None,
         run_key: str | None = None,
+        sites_keep_state: bool | None = None,
     ) -> None:
         SiteBinding.__init__(self, sites, min_available_nodes, max_samples_per_client)
         self.server = server
@@ -137,6 +138,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         # This run and the runs it continues (``common.site_state``): where each site finds what
         # it kept. The key names a folder at every site, so it is unique to the run.
         self.lineage: Lineage = ((run_key or f"run-{uuid.uuid4().hex}", 1),)
+        # Whether the sites keep anything between rounds, and so need the lineage: what their
+        # method keeps, or more (their privacy ledger: ``common.config.sites_keep_state``).
+        self.sites_keep_state = server.method.keeps_anything_at_site if sites_keep_state is None else sites_keep_state
         self._record: RoundRecord | None = None
         # Fused evaluation: the last round, trained and aggregated, whose evaluation comes back
         # with the next round's training replies.
@@ -235,7 +239,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         for node_id in node_ids:
             # A fresh record per node: nothing mutable is shared between messages.
             config = ConfigRecord({p.SERVER_ROUND: server_round})
-            if self.server.method.keeps_anything_at_site:
+            if self.sites_keep_state:
                 config[p.LINEAGE_RUNS] = [run for run, _ in self.lineage]
                 config[p.LINEAGE_STARTS] = [start for _, start in self.lineage]
             if evaluate_round is not None:

@@ -159,6 +159,19 @@ BAD_VALUES: dict[str, list[Bad]] = {
     "device": [Bad("tpu", "one of auto, cpu, cuda"), Bad("", "one of auto, cpu, cuda")],
     "output-dir": [Bad("", "a non-empty path")],
     "save-model-every": [Bad(-1, ">= 0")],
+    "dp-noise-multiplier": [Bad(0.0, "> 0"), Bad(-1.0, "> 0")],
+    "dp-max-grad-norm": [Bad(0.0, "> 0")],
+    "dp-statistics-noise-multiplier": [Bad(0.0, "> 0")],
+    "dp-feature-clip": [Bad(-1.0, "> 0")],
+    "dp-delta": [Bad(0.0, "in (0, 1)"), Bad(1.0, "in (0, 1)")],
+    "dp-epsilon-budget": [
+        Bad(-1.0, ">= 0 (0: no budget)"),
+        # a budget below the target would stop every site before the last round
+        Bad(2.0, "0 or >= dp-target-epsilon = 3", {"dp-target-epsilon": 3.0}),
+    ],
+    "dp-target-epsilon": [Bad(-0.5, ">= 0 (0: the noise as given)")],
+    # per-sample gradients are taken in float32
+    "mixed-precision": [Bad(True, "false with dp = true", {"dp": True})],
     # the methods' own settings (common.methods.base.setting)
     "prox-mu": [Bad(-0.01, "must be >= 0")],
     "ditto-lambda": [Bad(-1.0, "must be >= 0")],
@@ -169,7 +182,7 @@ NO_INVALID_VALUE: dict[str, str] = {
     "full-last-round": "a switch: both values are meaningful",
     "fused-evaluation": "a switch: both values are meaningful (it is ignored where it cannot apply)",
     "clustered-anchors": "a switch: both values are meaningful",
-    "mixed-precision": "a switch: both values are meaningful",
+    "dp": "a switch: both values are meaningful",
     "data-dir": "a path, read when the data is loaded (the pre-flight reports a bad one); '' is the default",
     "resume-from": "a path checked when the checkpoint is loaded (server_app.app), not by the parser",
 }

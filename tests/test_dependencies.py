@@ -323,8 +323,10 @@ def test_a_site_installs_no_ray_and_a_simulation_does():
     site = requirement_closure(r for listed in installed_by("base").values() for r in listed)
     assert "ray" not in site, "the base install (a SuperNode's site) pulls in Ray"
     assert {"flwr", "torch", "uvicorn"} <= site
-    # the collaboration QP is the server's: a site installs no solver
-    assert not {"cvxpy", "clarabel", "scipy"} & site
+    # the collaboration QP is the server's: a site installs no solver (scipy comes with Opacus,
+    # the per-sample gradients and accountant of a site's differential privacy)
+    assert not {"cvxpy", "clarabel"} & site
+    assert {"opacus", "scipy"} <= site
     assert "ray" in requirement_closure(r for listed in installed_by("simulation").values() for r in listed)
 
 

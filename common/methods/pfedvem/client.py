@@ -69,7 +69,7 @@ class Routine(ClientRoutine):
             return sampled_mean_nll(head, features.float(), y[idx], cfg.vem_mc_samples, generator)
 
         train_loss = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.vem_batch_size, generator,
-                                x.device)
+                                x.device, model.extractor)
 
         weight_mu, bias_mu = head.linear_mean()  # (d, K) -> nn.Linear's (K, d)
         with torch.no_grad():
