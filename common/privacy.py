@@ -221,7 +221,7 @@ def poisson_batch(num_samples: int, rate: float, generator: torch.Generator, dev
 
 def clip_factors(per_sample_grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """min(1, C / ||g_i||) for each record i, ||g_i|| over all of its parameters' gradients."""
-    norms = torch.stack([g.reshape(len(g), -1).norm(dim=1) for g in per_sample_grads]).norm(dim=0)
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in per_sample_grads]).norm(dim=0)
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 

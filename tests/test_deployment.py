@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,7 +196,10 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
     common = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
               "min-available-clients": 3}
-    methods = {"pfedvem": {"vem-head-steps": 2, "vem-mc-samples": 2}, "fedper": {}}
+    methods = {"pfedvem": {"vem-head-steps": 2, "vem-mc-samples": 2}, "fedper": {},
+               # differential privacy at every site: each site's ledger kept on its disk, its noise
+               # drawn from (seed, round, site)
+               "fedpac": {"dp": True}}
     for method, knobs in methods.items():
         _simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4}, tmp_path / f"simulated-{method}")
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
@@ -205,7 +209,8 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
             federation.start_node(pid)
         for method, knobs in methods.items():
             first, resumed = tmp_path / f"first-{method}", tmp_path / f"resumed-{method}"
-            settings = " ".join(f"{k}={v}" for k, v in {**common, **knobs, "strategy": f"'{method}'"}.items())
+            settings = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                for k, v in {**common, **knobs, "strategy": f"'{method}'"}.items())
             run_id = federation.submit(f"{settings} num-server-rounds=2 output-dir='{first}'")
             assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
             federation.signal_node(2, signal.SIGKILL)
@@ -227,6 +232,14 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
         for pid in range(3):  # what each site kept (pFedVEM's scales, FedPer's heads): in its model folder
             kept = tmp_path / "deployed" / "models" / f"client-{pid}" / "site-state"
             assert sorted(f.name for f in kept.glob(f"*/partition-{pid}/round-*.npz"))
+    private = _per_client(tmp_path / "resumed-fedpac", "dp_epsilon")
+    assert private == _per_client(tmp_path / "simulated-fedpac", "dp_epsilon")
+    assert all(float(eps) > 0 for (eps,) in private.values())
+    for pid in range(3):  # a deployed site shows its epsilon in its own log, every round it trained
+        logged = re.findall(rf"partition {pid}, round (\d+): differential privacy epsilon = ([0-9.]+) at delta",
+                            federation.read_log(f"supernode-{pid}"))
+        assert sorted({int(t) for t, _ in logged}) == [1, 2, 3, 4], pid
+        assert {int(t): float(e) for t, e in logged}[4] == pytest.approx(float(private[("4", str(pid))][0]), rel=1e-3)
 
 
 def test_a_killed_supernode_rejoins_and_a_hung_one_is_timed_out(federation, tmp_path):

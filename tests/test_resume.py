@@ -263,12 +263,18 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fedper", "local", "ditto"])
-def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, tmp_path):
+@pytest.mark.parametrize(("name", "extra"), [
+    ("fedper", {}), ("local", {}), ("ditto", {}),
+    # differential privacy: each site's ledger (and its calibrated noise) kept at the site, the
+    # noise drawn from (seed, round, partition)
+    ("fedpac", {"dp": True}), ("ditto", {"dp": True, "dp-target-epsilon": 6.0}),
+])
+def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, extra, tmp_path):
     """FedPer's heads, Local-only's models and Ditto's personal models stay at the sites, on their
-    disk: a crashed server resumed (with every node restarted: new contexts, new node ids)
-    computes the uninterrupted run's rounds, and its sites end with the same kept state."""
-    config = {**BASE, "strategy": name, "num-server-rounds": 3}
+    disk, as does every site's privacy ledger with dp on: a crashed server resumed (with every
+    node restarted: new contexts, new node ids) computes the uninterrupted run's rounds, and its
+    sites end with the same kept state and report the same epsilon."""
+    config = {**BASE, "strategy": name, "num-server-rounds": 3, **extra}
     full, full_report = _run({**config, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
     with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
         _run({**config, "output-dir": str(tmp_path / "crashed")}, grid_seed=2, crash_at_round=3, run_id=2)
@@ -280,6 +286,9 @@ def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, tmp_path):
     assert resumed.lineage[-1][1] == checkpoint.completed_rounds + 1
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
     assert [r.test_loss for r in report.rounds] == [r.test_loss for r in full_report.rounds]
+    epsilons = [{pid: m.get(p.DP_EPSILON) for pid, m in r.train.items()} for r in report.rounds]
+    assert epsilons == [{pid: m.get(p.DP_EPSILON) for pid, m in r.train.items()} for r in full_report.rounds]
+    assert all(e is not None for r in epsilons for e in r.values()) == bool(extra)
     root = Path(os.environ["FLWR_HOME"]) / "fedpac-site-state"
     trained = 0
     for pid in range(6):
