@@ -63,6 +63,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "concept-drift": (("common/clustering.py", "common/drift.py"), ("test_clustering.py", "test_drift.py")),
     "variational": (("common/variational.py",), ("test_variational.py", "test_pfedvem.py")),
+    "privacy": (("common/privacy.py",), ("test_privacy.py",)),
     "config": (("common/config.py",), ("test_config.py", "test_config_table.py")),
     "data": (("common/data.py", "common/partition.py"),
              ("test_data.py", "test_partition.py", "test_vem_partitions.py")),

@@ -334,3 +334,50 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path)
     assert by_round[1][0] == pytest.approx(one_round.epsilon(DELTA), rel=1e-9)
     assert by_round[2][0] == pytest.approx(one_round.repeated(2).epsilon(DELTA), rel=1e-9)
     assert p.DP_EPSILON == "dp-epsilon"
+
+
+def test_pfedvem_s_per_sample_e_step_gradients_are_each_record_s_own():
+    """pFedVEM's E-step trains a Bayesian head on raw tensors: its per-sample gradients come in
+    closed form. Each equals autograd's gradient of that record's NLL under the same head draws."""
+    from common.variational import GaussianHead, per_sample_nll_gradients  # pylint: disable=import-outside-toplevel
+
+    g = torch.Generator().manual_seed(0)
+    d, k, n, n_mc = 6, 4, 5, 3
+    head = GaussianHead.from_prior(torch.randn(d, k, generator=g), torch.randn(k, generator=g), scale=0.3)
+    features, labels = torch.randn(n, d, generator=g), torch.randint(0, k, (n,), generator=g)
+    draws = [(torch.randn(d, k, generator=g), torch.randn(k, generator=g)) for _ in range(n_mc)]
+    per_sample, nll = per_sample_nll_gradients(head, features, labels, draws)
+    total = torch.zeros(())
+    for i in range(n):
+        loss = sum(F.cross_entropy(features[i:i + 1] @ (head.weight_mu + head.weight_sigma() * ew)
+                                   + head.bias_mu + head.bias_sigma() * eb, labels[i:i + 1], reduction="sum")
+                   for ew, eb in draws) / n_mc
+        total = total + loss.detach()
+        for got, want in zip(per_sample, torch.autograd.grad(loss, head.parameters())):
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(nll, total)
+
+
+def test_pfedvem_s_e_step_clips_every_record_and_counts_full_batch_steps(monkeypatch):
+    from common.variational import GaussianHead, e_step  # pylint: disable=import-outside-toplevel
+
+    clipped_norms: list[torch.Tensor] = []
+    original = privacy.private_gradient
+
+    def spy(per_sample_grads, settings, expected_batch, generator):
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in per_sample_grads]).norm(dim=0)
+        clipped_norms.append(norms * privacy.clip_factors(per_sample_grads, settings.max_grad_norm))
+        assert expected_batch == 1.0  # the E-step's NLL is a sum: its noisy sum is the gradient
+        return original(per_sample_grads, settings, expected_batch, generator)
+
+    monkeypatch.setattr(privacy, "private_gradient", spy)
+    g = torch.Generator().manual_seed(1)
+    head = GaussianHead.from_prior(torch.randn(16, 10, generator=g), torch.zeros(10))
+    prior_w, prior_b = head.weight_mu.detach().clone(), head.bias_mu.detach().clone()
+    features, labels = torch.randn(40, 16, generator=g) * 5, torch.randint(0, 10, (40,), generator=g)
+    before = head.snapshot()
+    with private_site(PrivacySettings(noise_multiplier=0.5, max_grad_norm=0.1), 2) as site:
+        e_step(head, features, labels, prior_w, prior_b, rho=1.0, steps=3, generator=g)
+    assert len(clipped_norms) == 3 and all(float(c.max()) <= 0.1 * (1 + 1e-5) for c in clipped_norms)
+    assert site.ledger.history == [(0.5, 1.0, 3)]
+    assert any(not torch.equal(a, b) for a, b in zip(before, head.snapshot()))  # it did train
