@@ -228,7 +228,8 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
         assert _per_client(resumed, *measured) == _per_client(simulated, *measured), method
         arrays = _assert_same_final_state(simulated, resumed)
         on_server = {key.split("/")[1] for key in arrays if key.startswith("client-")}
-        assert on_server == ({"head"} if method == "pfedvem" else set())  # pFedVEM's posterior means
+        # pFedVEM's posterior means and FedPAC's mixed heads are the server's; FedPer's heads are not
+        assert on_server == (set() if method == "fedper" else {"head"})
         for pid in range(3):  # what each site kept (pFedVEM's scales, FedPer's heads): in its model folder
             kept = tmp_path / "deployed" / "models" / f"client-{pid}" / "site-state"
             assert sorted(f.name for f in kept.glob(f"*/partition-{pid}/round-*.npz"))
