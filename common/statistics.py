@@ -7,6 +7,7 @@ computed *before* local training) and the local class centroids (eq. 17, compute
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ def class_feature_sums(
     labels: torch.Tensor,
     num_classes: int,
     batch_size: int = 1024,
+    squares: bool = True,
 ) -> ClassFeatureSums:
     """One no-grad pass over (images, labels) in eval mode, accumulating per-class sums.
 
@@ -57,6 +59,8 @@ def class_feature_sums(
     With differential privacy on at this site (``common.privacy``) each feature vector is first
     clipped to ``dp-feature-clip``, and the sums, the sums of squared norms and the counts are
     released through the Gaussian mechanism: everything computed from them is then private.
+    ``squares = False`` leaves out the sums of squared norms (NaN), which only V needs: with DP
+    they are then neither noised nor charged to the site's budget.
     """
     site = privacy.active()
     clip = site.settings.feature_clip if site is not None else None
@@ -79,11 +83,20 @@ def class_feature_sums(
     extractor.train(was_training)
     if sums is None:
         raise ValueError("cannot compute feature statistics of an empty dataset")
+    if not squares:
+        sq_norm_sums = torch.full_like(sq_norm_sums, math.nan)
     if site is not None and clip is not None:
         return ClassFeatureSums(counts=privacy.private_counts(labels, num_classes, site),
                                 sums=privacy.gaussian(sums, clip, site),
-                                sq_norm_sums=privacy.gaussian(sq_norm_sums, clip * clip, site))
+                                sq_norm_sums=privacy.gaussian(sq_norm_sums, clip * clip, site) if squares
+                                else sq_norm_sums)
     return ClassFeatureSums(counts=counts, sums=sums, sq_norm_sums=sq_norm_sums)
+
+
+def class_means(extractor: nn.Module, images: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """mu_ik for every class k (zero for an absent one), float32: FedPAC's local centroids
+    (eq. 17) and FedCCFA's local anchors. With DP only the sums and the counts are released."""
+    return class_feature_sums(extractor, images, labels, num_classes, squares=False).class_means().float()
 
 
 def feature_statistics(sums: ClassFeatureSums) -> FeatureStatistics:

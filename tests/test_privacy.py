@@ -26,7 +26,7 @@ from common.methods import METHODS
 from common.methods.client import LocalData, Received, SiteState
 from common.model import FedPACNet
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
-from common.statistics import class_feature_sums
+from common.statistics import class_feature_sums, class_means
 from common.training import train_extractor, train_head, train_joint
 from federation import InProcessGrid
 from server_app.app import run_fedpac
@@ -179,6 +179,12 @@ def test_statistics_come_from_clipped_features_with_noise_of_the_mechanism_s_sca
         class_feature_sums(_Identity(), z, labels, k)
         class_feature_sums(_Identity(), z, labels, k)
     assert site.ledger.history == [(sigma, 1.0, 5)]
+    # class means (centroids, anchors) need neither the squares nor a second release of the counts
+    with private_site(settings, 5) as site:
+        class_feature_sums(_Identity(), z, labels, k)
+        means = class_means(_Identity(), z, labels, k)
+    assert site.ledger.history == [(sigma, 1.0, 4)]
+    assert float((means.double() - exact.class_means()).abs().mean()) < 3 * sigma * clip / (n / k) ** 0.5
 
 
 def test_noisy_counts_become_whole_counts_that_sum_to_the_public_n():
@@ -326,11 +332,12 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path)
     assert min(by_round[2]) > max(by_round[1]) > 0
     rounds = _rows(tmp_path, "rounds.csv")
     assert [float(r["max_dp_epsilon"]) for r in rounds] == [max(by_round[1]), max(by_round[2])]
-    # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD, then the
-    # statistics before training (sums, squares, counts) and the centroids after it (sums, squares)
+    # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD, the statistics
+    # before training (counts, sums, squares) and the centroids after it (sums: the counts are
+    # the round's, and the squares, which only V needs, are not released)
     settings = PrivacySettings()
     steps = privacy.steps_per_epoch(60, 20)
-    one_round = Ledger([(1.0, 20 / 60, 2 * steps), (settings.statistics_noise_multiplier, 1.0, 5)])
+    one_round = Ledger([(1.0, 20 / 60, 2 * steps), (settings.statistics_noise_multiplier, 1.0, 4)])
     assert by_round[1][0] == pytest.approx(one_round.epsilon(DELTA), rel=1e-9)
     assert by_round[2][0] == pytest.approx(one_round.repeated(2).epsilon(DELTA), rel=1e-9)
     assert p.DP_EPSILON == "dp-epsilon"

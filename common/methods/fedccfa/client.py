@@ -15,7 +15,7 @@ from common.config import FedPACConfig
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedccfa import FedCCFA
 from common.model import HEAD_PREFIX, FedPACNet
-from common.statistics import class_feature_sums
+from common.statistics import class_means
 from common.training import (AlignmentTerm, alignment_targets, class_counts, head_state, to_numpy,
                              train_extractor, train_head)
 
@@ -94,7 +94,7 @@ class Routine(ClientRoutine):
             alignment = partial(contrastive_alignment_loss, anchors=anchors, mask=mask,
                                 temperature=cfg.align_temperature)
         train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, weight)
-        local_anchors = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
+        local_anchors = class_means(model.extractor, x, y, num_classes)
         statistics = {
             p.CENTROID_VALUES: to_numpy(local_anchors),
             p.CLASS_COUNTS: to_numpy(counts).astype(np.int64),

@@ -18,7 +18,7 @@ from common.config import FedPACConfig
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedpac import FedPAC
 from common.model import FedPACNet
-from common.statistics import class_feature_sums, feature_statistics
+from common.statistics import class_feature_sums, class_means, feature_statistics
 from common.training import (AlignmentTerm, alignment_targets, class_counts, to_numpy, train_extractor,
                              train_head)
 
@@ -60,7 +60,7 @@ class Routine(ClientRoutine):
 
         statistics: p.NDArrays = {}
         if self.method.align:
-            local_centroids = class_feature_sums(model.extractor, x, y, num_classes).class_means().float()
+            local_centroids = class_means(model.extractor, x, y, num_classes)
             statistics[p.CENTROID_VALUES] = to_numpy(local_centroids)
         if self.method.align or self.method.collaborate:  # n_ik weight centroids and define h_i's p_ik
             statistics[p.CLASS_COUNTS] = to_numpy(class_counts(y, num_classes)).astype(np.int64)
