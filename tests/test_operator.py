@@ -523,6 +523,7 @@ def test_a_full_disk_for_the_tables_stops_the_run_with_the_checkpoint_up_to_date
     assert caught.value.errno == errno.ENOSPC and str(tmp_path / "rounds.csv") in str(caught.value)
     assert load_checkpoint(tmp_path).completed_rounds == 2  # written before the tables
     assert _csv_rounds(tmp_path) == ["1"]
+    report.close()  # the charts are drawn in the background: a chart being written has its .tmp
     assert not [f for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
 
 
