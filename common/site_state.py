@@ -34,9 +34,12 @@ Lineage = tuple[tuple[str, int], ...]
 # A run key becomes a folder name at the site: a hostile server must not name a path outside it.
 RUN_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ROUND_FILE = re.compile(r"round-(\d+)\.npz")
-# Round files kept per run folder: the newest one a resumed server can ask for after round c is c
-# (the site may hold c + 1 already), so the two newest always include it.
-KEPT_ROUNDS = 2
+# Round files kept per run folder. A server resumes from its last checkpoint c, and a site may be
+# two rounds past it: with fused evaluation round c + 1 is checkpointed only once round c + 2's
+# training replies are in, so a server stopped during round c + 2 resumes after round c while
+# its sites already saved c + 1 and c + 2. The three newest always include c (or whatever the
+# site kept last before it, when it did not train in round c).
+KEPT_ROUNDS = 3
 SEPARATOR = "/"
 
 

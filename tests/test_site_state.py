@@ -48,6 +48,17 @@ def test_a_resumed_run_starts_from_the_round_its_checkpoint_holds_not_the_interr
     assert _value(SiteStore(tmp_path, 0, (("run-a", 1), ("run-b", 3), ("run-c", 9))).load(20)) == 30
 
 
+def test_a_site_two_rounds_past_the_server_s_checkpoint_still_has_its_state_after_it(tmp_path):
+    """With fused evaluation round 6 is checkpointed only once round 7's replies are in: a server
+    stopped during round 7 resumes after round 5 while its sites saved rounds 6 and 7 already.
+    They must still hold round 5 (a privacy ledger or a kept head lost there would start over)."""
+    interrupted = SiteStore(tmp_path, 0, (("run-a", 1),))
+    for server_round in range(1, 8):
+        interrupted.save(server_round, _kept(server_round))
+    resumed = SiteStore(tmp_path, 0, (("run-a", 1), ("run-b", 6)))
+    assert _value(resumed.load(5)) == 5
+
+
 @pytest.mark.parametrize("runs, starts, problem", [
     (["../../etc"], [1], "not a plain name"),
     (["a/b"], [1], "not a plain name"),
