@@ -228,6 +228,19 @@ PRIVACY, SPENT, LAST_ROUND, FACTOR = "privacy", "spent", "last-round", "noise-fa
 NOISE = 2
 
 
+def _local_update_privately(  # pylint: disable=too-many-arguments
+    method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+    settings: PrivacySettings, partition_id: int,
+) -> tuple[ClientResult, Ledger]:
+    """The method's local update with every release private, and what it released; its noise is
+    drawn from (seed, round, partition-id)."""
+    server_round = received.server_round
+    with private_site(settings, _seed(cfg, server_round, partition_id, NOISE)) as site:
+        result = client_routine(method).local_update(model, data, received, cfg,
+                                                     _generator(cfg, server_round, partition_id))
+    return result, site.ledger
+
+
 def _noise_factor(method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
                   settings: PrivacySettings, partition_id: int) -> float:
     """The factor on both noise multipliers with which the run's remaining rounds reach
@@ -235,11 +248,9 @@ def _noise_factor(method: Method, model: FedPACNet, data: LocalData, received: R
     releases (nothing of the trial leaves the site or stays; only n, which is public, shapes
     what it counts)."""
     trial = dataclasses.replace(data, state=SiteState(copy.deepcopy(data.state.kept)))
-    with private_site(settings, _seed(cfg, received.server_round, partition_id, NOISE)) as site:
-        client_routine(method).local_update(copy.deepcopy(model), trial, received, cfg,
-                                            _generator(cfg, received.server_round, partition_id))
+    _, released = _local_update_privately(method, copy.deepcopy(model), trial, received, cfg, settings, partition_id)
     rounds = max(1, settings.rounds - received.server_round + 1)
-    factor = calibrate(site.ledger, rounds, settings.target_epsilon, settings.delta)
+    factor = calibrate(released, rounds, settings.target_epsilon, settings.delta)
     log(INFO, "partition %d: noise multipliers %.4g (gradients) and %.4g (statistics) reach epsilon = %g at "
         "delta = %g in %d rounds", partition_id, settings.noise_multiplier * factor,
         settings.statistics_noise_multiplier * factor, settings.target_epsilon, settings.delta, rounds)
@@ -270,21 +281,19 @@ def _private_update(  # pylint: disable=too-many-arguments
     budget = settings.epsilon_budget
     if budget and last.history:
         _check_budget(spent, spent.then(last), settings, partition_id, server_round)
-    with private_site(settings, _seed(cfg, server_round, partition_id, NOISE)) as site:
-        result = client_routine(method).local_update(model, data, received, cfg,
-                                                     _generator(cfg, server_round, partition_id))
-    total = spent.then(site.ledger)
+    result, released = _local_update_privately(method, model, data, received, cfg, settings, partition_id)
+    total = spent.then(released)
     if budget:
         try:
             _check_budget(spent, total, settings, partition_id, server_round)
         except PrivacyBudgetSpent:
             if store is not None:  # the next round refuses without training
-                store.save(server_round, {**before, PRIVACY: {**kept, LAST_ROUND: site.ledger.to_array()}})
+                store.save(server_round, {**before, PRIVACY: {**kept, LAST_ROUND: released.to_array()}})
             raise
     epsilon = total.epsilon(settings.delta)
     log(INFO, "partition %d, round %d: differential privacy epsilon = %.4g at delta = %g%s", partition_id,
         server_round, epsilon, settings.delta, f" (budget {budget:g})" if budget else "")
-    data.state.put(PRIVACY, {**kept, SPENT: total.to_array(), LAST_ROUND: site.ledger.to_array()})
+    data.state.put(PRIVACY, {**kept, SPENT: total.to_array(), LAST_ROUND: released.to_array()})
     return dataclasses.replace(result, metrics={**result.metrics, p.DP_EPSILON: epsilon})
 
 

@@ -6,6 +6,7 @@ packages (``common/methods/<family>/client.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -61,59 +62,41 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     the device: reading a loss back every step would wait for the GPU each time.
     """
     site = privacy.active()
-    if site is not None:
-        return _private_sgd_epochs(site, optimizer, batch_loss, epochs, num_samples, batch_size, generator, device,
-                                   module, penalty)
+    if site is None:
+        batches = (idx for _ in range(epochs) for idx in _batches(num_samples, batch_size, generator, device))
+    else:
+        rate = privacy.sample_rate(num_samples, batch_size)
+        steps = epochs * privacy.steps_per_epoch(num_samples, batch_size)
+        batches = (privacy.poisson_batch(num_samples, rate, generator, device) for _ in range(steps))
     total, seen = torch.zeros((), device=device), 0
-    for _ in range(epochs):
-        for idx in _batches(num_samples, batch_size, generator, device):
-            loss = batch_loss(idx)
-            if penalty is not None:
-                loss = loss + penalty()
+    with privacy.PerSampleGradients(module) if site is not None else nullcontext() as per_sample:
+        for idx in batches:
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach() * len(idx)
-            seen += len(idx)
-    return float(total / seen) if seen else 0.0
-
-
-def _private_sgd_epochs(  # pylint: disable=too-many-arguments,too-many-locals
-    site: privacy.PrivateSite,
-    optimizer: torch.optim.Optimizer,
-    batch_loss: Callable[[torch.Tensor], torch.Tensor],
-    epochs: int,
-    num_samples: int,
-    batch_size: int,
-    generator: torch.Generator,
-    device: torch.device,
-    module: nn.Module,
-    penalty: Callable[[], torch.Tensor] | None,
-) -> float:
-    """:func:`sgd_epochs` as DP-SGD (``common.privacy``)."""
-    settings = site.settings
-    rate = privacy.sample_rate(num_samples, batch_size)
-    steps = epochs * privacy.steps_per_epoch(num_samples, batch_size)
-    total, seen = torch.zeros((), device=device), 0
-    with privacy.PerSampleGradients(module) as per_sample:
-        params = per_sample.params
-        for _ in range(steps):
-            idx = privacy.poisson_batch(num_samples, rate, generator, device)
-            optimizer.zero_grad(set_to_none=True)
-            if len(idx):
+            if len(idx):  # a Poisson sample may be empty: DP-SGD's step is then its noise alone
                 loss = batch_loss(idx)
+                if penalty is not None and site is None:
+                    loss = loss + penalty()
                 loss.backward()
                 total += loss.detach() * len(idx)
                 seen += len(idx)
-            noisy = privacy.private_gradient(per_sample.grads(len(idx)), settings, rate * num_samples, site.noise)
-            per_sample.clear()
-            if penalty is not None:
-                noisy = [g + d for g, d in zip(noisy, torch.autograd.grad(penalty(), params))]
-            for param, grad in zip(params, noisy):
-                param.grad = grad
+            if site is not None and per_sample is not None:  # both, or neither
+                _privatize(per_sample, site, rate * num_samples, len(idx), penalty)
             optimizer.step()
-    site.ledger.record(settings.noise_multiplier, rate, steps)
+    if site is not None:
+        site.ledger.record(site.settings.noise_multiplier, rate, steps)
     return float(total / seen) if seen else 0.0
+
+
+def _privatize(per_sample: privacy.PerSampleGradients, site: privacy.PrivateSite, expected_batch: float,
+               batch: int, penalty: Callable[[], torch.Tensor] | None) -> None:
+    """Replace the gradients of the step's backward pass by DP-SGD's (``common.privacy``), and
+    add the penalty's gradient after the noise: it reads no record."""
+    noisy = privacy.private_gradient(per_sample.grads(batch), site.settings, expected_batch, site.noise)
+    per_sample.clear()
+    if penalty is not None:
+        noisy = [g + d for g, d in zip(noisy, torch.autograd.grad(penalty(), per_sample.params))]
+    for param, grad in zip(per_sample.params, noisy):
+        param.grad = grad
 
 
 def train_head(  # pylint: disable=too-many-arguments
