@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Run FedPAC as a local Flower simulation and fail unless the run completed.
 # `flwr run` itself exits 0 even when the run failed, so the run's status is checked.
-#   deploy/simulate.sh [--clients N] [--run-config "k=v k=v"]
+#   deploy/simulate.sh [--clients N] [--run-config "k=v k=v"] [--ray-address HOST:PORT]
+# --ray-address (or RAY_ADDRESS): run the ClientApps on that Ray cluster, whose worker hosts get
+# the run's code from Ray (server_app/ray_cluster.py). Without it the simulation starts a Ray of
+# its own on this machine, even where `ray start` ran (plain `ray.init()` would join that cluster).
 set -euo pipefail
 clients=10
 run_config=""
+ray_address="${RAY_ADDRESS:-local}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --clients) clients="$2"; shift 2 ;;
     --run-config) run_config="$2"; shift 2 ;;
+    --ray-address) ray_address="$2"; shift 2 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -31,6 +36,22 @@ fi
 # The local SuperLink that `flwr run` starts keeps running after the run; one this script
 # started is stopped with it, so that nothing of this checkout stays behind on Flower's ports.
 ours() { local_superlinks | grep -F " $superlink " | awk '{print $1}' || true; }
+# The SuperLink hands its environment to the simulation, which starts Ray: these two decide where
+# the ClientApps run, so a SuperLink already running must have been started with the same.
+export RAY_ADDRESS="$ray_address"
+if [ "$ray_address" = local ]; then
+  unset RAY_RUNTIME_ENV_HOOK
+else
+  export RAY_RUNTIME_ENV_HOOK=server_app.ray_cluster.ship_app
+fi
+for pid in $(ours); do
+  theirs="$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^RAY_ADDRESS=//p' || true)"
+  if [ "$theirs" != "$ray_address" ]; then
+    echo "simulate.sh: the local SuperLink (PID $pid) runs its simulations on Ray at '${theirs:-the last \`ray start\`}'," \
+         "not at '$ray_address'; stop it (\`make stop\`) and run again" >&2
+    exit 1
+  fi
+done
 started_here=0
 [ -n "$(ours)" ] || started_here=1
 log="$(mktemp)"

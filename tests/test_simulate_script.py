@@ -80,3 +80,23 @@ def test_a_failed_run_exits_non_zero_and_says_so(script_env, tmp_path):
     assert result.returncode != 0, result.stdout[-3000:]
     assert last_line(result).endswith(": finished:failed"), result.stdout[-3000:] + result.stderr[-3000:]
     assert not any(tmp_path.iterdir())  # refused before any round
+
+
+def test_a_local_superlink_on_another_ray_is_refused(script_env, tmp_path):
+    """The local SuperLink passes its environment to the simulation, which starts Ray: one started
+    for another cluster (or for a Ray of its own) would run this run's ClientApps there."""
+    superlink = BIN / "flower-superlink"
+    env = {**script_env, "RAY_ADDRESS": "10.0.0.1:6390"}
+    stand_in = subprocess.Popen(["bash", "-c", f'exec -a "{superlink} --simulation" sleep 60'], env=env)
+    try:
+        while not subprocess.run(["pgrep", "-f", f"^{superlink} --simulation"], capture_output=True).stdout:
+            time.sleep(0.1)
+        result = subprocess.run(["bash", str(ROOT / "deploy" / "simulate.sh"), "--clients", "2", "--run-config",
+                                 f"{TINY} output-dir='{tmp_path}'"], env=script_env, capture_output=True, text=True,
+                                timeout=60)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert result.returncode == 1
+    assert f"PID {stand_in.pid}) runs its simulations on Ray at '10.0.0.1:6390', not at 'local'" in result.stderr
+    assert not any(tmp_path.iterdir())
