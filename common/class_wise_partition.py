@@ -16,7 +16,7 @@ from datasets import Dataset
 from flwr_datasets.partitioner import Partitioner
 
 from common.config import SUPER_LABEL_SIZE
-from common.data import DataError, super_labels
+from common.data import DataError, int_column, super_labels
 
 
 def proportional_counts(reference: np.ndarray, total: int) -> np.ndarray:
@@ -52,7 +52,7 @@ class ClassWisePartitioner(Partitioner):
 
     def _partition_indices(self) -> list[np.ndarray]:
         if self._indices is None:
-            labels = np.asarray(self.dataset["label"])
+            labels = int_column(self.dataset, "label")
             if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
                 raise DataError(f"labels outside [0, {self.num_classes})")
             per_client: list[list[np.ndarray]] = [[] for _ in range(self.num_partitions)]
@@ -225,7 +225,7 @@ class ClassChunkPartitioner(ClassWisePartitioner):
 
     def load_partition(self, partition_id: int) -> Dataset:
         part = self.dataset.select(self.partition_rows(partition_id))
-        relabeled = self.relabel(partition_id, np.asarray(part["label"], dtype=np.int64))
+        relabeled = self.relabel(partition_id, int_column(part, "label"))
         return part.remove_columns("label").add_column("label", relabeled)
 
 

@@ -441,6 +441,13 @@ def check_shape(data: ImageDataset, cfg: FedPACConfig) -> ImageDataset:
     return data
 
 
+def int_column(dataset, name: str) -> np.ndarray:  # noqa: ANN001  (a datasets.Dataset)
+    """Integer column ``name`` (labels, row indices) of a Hugging Face dataset as one int64 array.
+    Through Arrow: ``dataset[name]`` yields its rows one by one (a client's partition of 60 rows
+    took 3.4 ms, through Arrow 0.35 ms, paid for every client when a process builds them all)."""
+    return np.array(dataset.with_format("arrow")[name].to_numpy(), dtype=np.int64)
+
+
 def super_labels(labels: np.ndarray) -> np.ndarray:
     """The super-label of each class (partition ``super-labels``): a fixed grouping of
     SUPER_LABEL_SIZE consecutive classes, {0, 1} -> 0, {2, 3} -> 1, ... Fixed rather than seeded,

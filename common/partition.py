@@ -29,7 +29,7 @@ from common.class_wise_partition import (
     proportional_counts,
 )
 from common.config import FedPACConfig, dataset_classes
-from common.data import DataError, ImageDataset
+from common.data import DataError, ImageDataset, int_column
 
 # Partitioning selects a few hundred rows per client; a progress bar per call is only noise.
 datasets.disable_progress_bars()
@@ -132,7 +132,7 @@ class FedPACPartitioner(Partitioner):
 
     def _partition_indices(self) -> list[np.ndarray]:
         if self._indices is None:
-            labels = np.asarray(self.dataset["label"])
+            labels = int_column(self.dataset, "label")
             pools = ClassPools(labels, self.num_classes, np.random.default_rng(self.seed))
             self._indices = [
                 np.concatenate(
@@ -175,7 +175,7 @@ class ConceptShiftPartitioner(Partitioner):
 
     def load_partition(self, partition_id: int) -> Dataset:
         part = self.base.load_partition(partition_id)
-        relabeled = self.relabel(partition_id, np.asarray(part["label"]))
+        relabeled = self.relabel(partition_id, int_column(part, "label"))
         return part.remove_columns("label").add_column("label", relabeled)
 
 
@@ -247,7 +247,7 @@ def split_clients(
     splits = []
     for pid in range(partitioner.num_partitions):
         part = partitioner.load_partition(pid)
-        train_indices = np.asarray(part["index"], dtype=np.int64)
+        train_indices = int_column(part, "index")
         if len(train_indices) == 0:
             raise DataError(f"partition {pid} is empty: fewer samples than clients need")
         if isinstance(partitioner, ClassChunkPartitioner):
@@ -270,7 +270,7 @@ def split_clients(
         splits.append(
             ClientSplit(
                 train_indices=train_indices,
-                train_labels=np.asarray(part["label"], dtype=np.int64),
+                train_labels=int_column(part, "label"),
                 test_indices=test_indices,
                 test_labels=test_labels,
             )
