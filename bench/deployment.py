@@ -51,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import memory  # noqa: E402
 from bench.cpu_profile import ProcessCpu  # noqa: E402
 from tests.deployment import Federation, create_certificates, rounds_of  # noqa: E402
 
@@ -86,10 +87,12 @@ def wait_for_rounds(out: Path, rounds: int, timeout: float) -> None:
 
 
 def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int,
-           data: Path) -> tuple[list[dict], dict[str, float]]:
-    """The deployment's rounds, and with ``--cpu-profile`` the host's CPU seconds per round by
-    process kind (rounds 2..R-1; ``bench/cpu_profile.py``)."""
+           data: Path) -> tuple[list[dict], dict[str, float], dict]:
+    """The deployment's rounds, with ``--cpu-profile`` the host's CPU seconds per round by
+    process kind (rounds 2..R-1; ``bench/cpu_profile.py``), and with ``--site-memory`` what the
+    sites and the SuperLink take in memory (:func:`site_memory`)."""
     work.mkdir(parents=True)
+    host_before = memory.host_used_mb()
     os.environ["FEDPAC_HOST_SLOTS"], os.environ["FEDPAC_HOST_SLOTS_DIR"] = str(args.host_slots), str(work / "slots")
     certs = create_certificates(work / "certs", args.clients)
     federation = Federation(work, certs, args.clients, database=args.superlink_database)
@@ -98,6 +101,13 @@ def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int,
         for pid in range(args.clients):
             federation.start_node(pid, executor=executor, data_path=data / f"client-{pid}")
         time.sleep(args.settle)  # let the nodes connect and the warm workers import torch first
+        groups = {f"site-{label}": node.pid for label, node in federation.supernodes.items()}
+        groups["superlink"] = federation.superlink.pid
+        idle = {label: memory.group_pss_mb(pgid) for label, pgid in groups.items()}
+        idle_host = memory.host_used_mb() - host_before
+        peaks = memory.GroupPeaks(groups, interval=5.0) if args.site_memory else None
+        if peaks:
+            peaks.start()
         out = work / "out"
         config = {**paper_config(args), "num-server-rounds": rounds, "output-dir": str(out)}
         run_id = federation.submit(" ".join(f"{k}={json.dumps(v)}" for k, v in config.items()))
@@ -108,14 +118,42 @@ def deploy(args: argparse.Namespace, work: Path, executor: str, rounds: int,
         with ProcessCpu() if args.cpu_profile else contextlib.nullcontext() as cpu:
             wait_for_rounds(out, max(1, rounds - 1), args.timeout - (time.monotonic() - started))
         wait_for_rounds(out, rounds, args.timeout - (time.monotonic() - started))
+        if peaks:
+            peaks.stop()
         status = federation.wait(run_id, timeout=120)
         if status != "finished:completed":
             raise RuntimeError(f"{executor} deployment run {status}:\n{federation.log(run_id)[-3000:]}")
         measured = max(1, rounds - 2)
         profile = {kind: seconds / measured for kind, seconds in cpu.seconds.items()} if cpu else {}
-        return rounds_of(out), profile
+        footprint = site_memory(idle, idle_host, peaks, host_before) if args.site_memory else {}
+        return rounds_of(out), profile, footprint
     finally:
         federation.close()
+
+
+def site_memory(idle: dict[str, float], idle_host: float, peaks: memory.GroupPeaks | None,
+                host_before: float) -> dict:
+    """PSS of each site (its SuperNode's process group: the SuperNode, its executor and, during
+    a run, the ClientApp worker) idle and at its peak during the run, the SuperLink's (with the
+    ServerApp), the host's memory the federation took, and the sites that would fit in the
+    host's memory at the largest site's peak."""
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"median": round(statistics.median(values), 1), "max": round(max(values), 1)}
+
+    sites = [label for label in idle if label.startswith("site-")]
+    result: dict = {"idle_site_pss_mb": spread([idle[s] for s in sites]),
+                    "idle_superlink_pss_mb": round(idle["superlink"], 1),
+                    "idle_host_used_mb": round(idle_host, 1)}
+    if peaks:
+        training = [peaks.peak_pss[s] for s in sites]
+        largest = max(training)
+        superlink = peaks.peak_pss["superlink"]
+        room = memory.host_total_mb() - host_before - superlink
+        result.update({"training_site_pss_mb": spread(training), "training_superlink_pss_mb": round(superlink, 1),
+                       "peak_host_used_mb": round(peaks.peak_host_used - host_before, 1),
+                       "host_total_mb": round(memory.host_total_mb(), 1),
+                       "sites_that_fit": int(room // largest)})
+    return result
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -212,6 +250,9 @@ def main() -> None:
     cli.add_argument("--cpu-profile", action="store_true",
                      help="also report each deployment's CPU seconds per round by kind of process "
                           "(the sampling costs the host about 0.1 cores: off for the ratio)")
+    cli.add_argument("--site-memory", action="store_true",
+                     help="also sample each site's and the SuperLink's memory (PSS) during the warm deployment's "
+                          "rounds, every 5 s (reading /proc costs the host some CPU: off for the ratio)")
     cli.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL:KEY=VALUE,...",
                      help="also run the deployment with these environment variables (repeatable)")
     cli.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -238,17 +279,17 @@ def measure(args: argparse.Namespace, work: Path) -> tuple[dict, list[str]]:
                      "superlink_database": args.superlink_database, "host_slots": args.host_slots}
     data = export_partitions(args, work / "data")
     timed = {"simulation": simulate(args, work / "simulation")}
-    timed["deployment"], profile = deploy(args, work / "warm", "warm", args.rounds, data)
-    results["deployment"] = {"cpu_seconds_per_round": profile}
+    timed["deployment"], profile, footprint = deploy(args, work / "warm", "warm", args.rounds, data)
+    results["deployment"] = {"cpu_seconds_per_round": profile, "memory": footprint}
     if args.cold_rounds:
         try:
-            timed["deployment, cold executor"], _ = deploy(args, work / "cold", "cold", args.cold_rounds, data)
+            timed["deployment, cold executor"], _, _ = deploy(args, work / "cold", "cold", args.cold_rounds, data)
         except RuntimeError as err:  # the "before" is a reference: its failure is reported, not fatal
             print(f"cold-executor deployment failed: {str(err)[:500]}")
     for number, (label, overrides) in enumerate(args.variant):
         with environment(overrides):
             name = f"deployment, {label}"
-            timed[name], profile = deploy(args, work / f"variant-{number}", "warm", args.rounds, data)
+            timed[name], profile, _ = deploy(args, work / f"variant-{number}", "warm", args.rounds, data)
         results[name] = {"environment": overrides, "cpu_seconds_per_round": profile}
     for name, rounds in timed.items():
         results[name] = {**results.get(name, {}), "round_seconds": [float(r["seconds"]) for r in rounds],
@@ -285,6 +326,8 @@ def report(args: argparse.Namespace, results: dict, timed: list[str]) -> None:
         if isinstance(result, dict) and result.get("cpu_seconds_per_round"):
             print(f"{name}: CPU seconds per round (rounds 2..R-1) "
                   + ", ".join(f"{kind} {seconds:.2f}" for kind, seconds in result["cpu_seconds_per_round"].items()))
+    if results["deployment"]["memory"]:
+        print("memory (MB): " + json.dumps(results["deployment"]["memory"]))
     for kind, parts in results["message_breakdown"].items():
         fixed = sum(v for k, v in parts.items() if k != "compute")
         print(f"{kind} message: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())

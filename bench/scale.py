@@ -42,9 +42,10 @@ from flwr.clientapp import ClientApp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.soak import descendants, rss_mb  # noqa: E402
+from bench.memory import descendants, pss_mb, rss_mb  # noqa: E402
 from common import protocol as p  # noqa: E402
 from experiments.simulation import make_apps  # noqa: E402
+from server_app import simulation_engine  # noqa: E402
 from server_app.strategy import PersonalizedStrategy  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -87,18 +88,6 @@ def time_server_steps() -> dict[int, float]:
     for name in SERVER_STEPS:
         setattr(PersonalizedStrategy, name, timer(getattr(PersonalizedStrategy, name)))
     return spent
-
-
-def pss_mb(pid: int) -> float:
-    """Proportional set size of ``pid`` (0 if it is gone): its private pages plus its share of
-    the pages it shares with other processes."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def clientapp_workers(pid: int) -> list[int]:
@@ -157,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for scale.csv/.json/.png")
+    parser.add_argument("--flower-engine", action="store_true",
+                        help="Flower's own message hand-over instead of server_app.simulation_engine's (the before)")
     parser.add_argument("--outputs", type=Path, default=None,
                         help="folder for the run's own outputs (default: a new temporary folder, kept and named)")
     args = parser.parse_args(argv)
@@ -170,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         "num-server-rounds": args.rounds, "fraction-train": args.fraction, "fraction-evaluate": args.fraction,
         "full-last-round": False, "min-available-clients": args.clients, "seed": args.seed, "output-dir": str(out),
     }
+    if not args.flower_engine:
+        simulation_engine.install()
     server_app, client_app = make_apps(run_config)
     server_seconds = time_server_steps()
     sampler = MemorySampler()
@@ -210,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
               for key in ("wall_seconds", "client_work_seconds", "server_step_seconds", "overhead_seconds")}
     summary = {
         "command": "python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "engine": "Flower's" if args.flower_engine else "server_app.simulation_engine",
         "clients": args.clients, "fraction": args.fraction, "rounds": args.rounds, "samples": args.samples,
         "clients_at_once": concurrency, "wall_seconds": round(wall, 1),
         "first_round_seconds": rows[0]["wall_seconds"], "start_up_client_seconds": round(work[0], 1),

@@ -31,6 +31,7 @@ from flwr.clientapp import ClientApp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.memory import descendants, rss_mb  # noqa: E402
 from common import protocol as p  # noqa: E402
 from experiments.simulation import make_apps  # noqa: E402
 
@@ -58,34 +59,6 @@ def flaky(app: ClientApp, rate: float, seed: int) -> ClientApp:
     wrapped.evaluate()(handler)
     wrapped.query()(app)  # the pre-flight stays reliable: it is not what this measures
     return wrapped
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of process ``pid`` (0 if it is gone), from /proc."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Ray's raylet, GCS and workers), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class MemorySampler(threading.Thread):

@@ -36,14 +36,10 @@ fi
 # The local SuperLink that `flwr run` starts keeps running after the run; one this script
 # started is stopped with it, so that nothing of this checkout stays behind on Flower's ports.
 ours() { local_superlinks | grep -F " $superlink " | awk '{print $1}' || true; }
-# The SuperLink hands its environment to the simulation, which starts Ray: these two decide where
-# the ClientApps run, so a SuperLink already running must have been started with the same.
-export RAY_ADDRESS="$ray_address"
-if [ "$ray_address" = local ]; then
-  unset RAY_RUNTIME_ENV_HOOK
-else
-  export RAY_RUNTIME_ENV_HOOK=server_app.ray_cluster.ship_app
-fi
+# The SuperLink hands its environment to the simulation, which starts Ray: RAY_ADDRESS decides
+# where the ClientApps run, so a SuperLink already running must have been started with the same;
+# the hook ships the app to a cluster's workers and speeds up the engine's message hand-over.
+export RAY_ADDRESS="$ray_address" RAY_RUNTIME_ENV_HOOK=server_app.ray_cluster.runtime_env_hook
 for pid in $(ours); do
   theirs="$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^RAY_ADDRESS=//p' || true)"
   if [ "$theirs" != "$ray_address" ]; then

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from client_app.app import app as project_client_app
 from common.config import parse_run_config
+from server_app import simulation_engine
 from server_app.app import main as project_server_main
 
 
@@ -53,6 +54,7 @@ def run_cell(run_config: dict[str, Any], clients: int, cpus_per_client: float = 
     """Run one cell to completion on ``clients`` simulated SuperNodes (raises if it fails)."""
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
+    simulation_engine.install()
     server_app, client_app = make_apps(run_config)
     run_simulation(
         server_app=server_app,

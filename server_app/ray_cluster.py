@@ -3,12 +3,17 @@
 Flower's simulation runs each ClientApp in a Ray actor, and the actor imports the app's packages
 by name. On the head host they come from the app bundle (FAB) that ``flwr run`` submitted; a
 worker host has neither that bundle nor this checkout. Ray's runtime environment carries them:
-with ``RAY_RUNTIME_ENV_HOOK=server_app.ray_cluster.ship_app`` in the environment of the process
-that starts Ray (the local SuperLink, so ``deploy/simulate.sh --ray-address`` sets it), the
-simulation's ``ray.init`` calls :func:`ship_app`, which adds the packages the ClientApp imports,
-as the driver loaded them, to the job's ``py_modules``. Ray uploads them once per run, keyed by
-their content, and puts them first on every worker's ``PYTHONPATH``: a worker runs exactly the
-submitted code, never an older copy that its host may have installed.
+``deploy/simulate.sh`` puts ``RAY_RUNTIME_ENV_HOOK=server_app.ray_cluster.runtime_env_hook`` in
+the environment of the local SuperLink, whose simulation process then calls
+:func:`runtime_env_hook` from ``ray.init``. With ``RAY_ADDRESS`` naming a cluster, the hook adds
+the packages the ClientApp imports, as the driver loaded them, to the job's ``py_modules``
+(:func:`ship_app`). Ray uploads them once per run, keyed by their content, and puts them first on
+every worker's ``PYTHONPATH``: a worker runs exactly the submitted code, never an older copy that
+its host may have installed.
+
+``ray.init`` is also the one point where this project's code runs in the engine's process before
+the engine starts handing out messages: the hook installs the engine's faster hand-over there
+(``server_app.simulation_engine``), on one host as on a cluster.
 
 A worker host still needs the same third-party environment (``pip install -r
 requirements.lock``: Ray refuses a node with another Python or Ray, and torch must match for
@@ -19,8 +24,11 @@ run's ``data-dir``. The embedded demo dataset (``fedpac_data``, 0.7 MB) travels 
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Any
+
+from server_app import simulation_engine
 
 # What a ClientApp imports of this project; server_app and experiments never run on a worker.
 SHIPPED_PACKAGES = ("client_app", "common", "fedpac_data")
@@ -43,3 +51,13 @@ def ship_app(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
     shipped["py_modules"] = [*shipped.get("py_modules", []), *shipped_modules()]
     shipped["excludes"] = [*shipped.get("excludes", []), *EXCLUDES]
     return shipped
+
+
+def runtime_env_hook(runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What ``RAY_RUNTIME_ENV_HOOK`` names: installs the engine's faster hand-over, and ships the
+    app (:func:`ship_app`) when ``RAY_ADDRESS`` names a cluster rather than a Ray of this host's
+    own (``local``, or unset)."""
+    simulation_engine.install()
+    if os.environ.get("RAY_ADDRESS", "local") in ("", "local"):
+        return runtime_env
+    return ship_app(runtime_env)

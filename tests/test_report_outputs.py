@@ -153,3 +153,30 @@ def test_a_checkpoint_written_before_records_kept_method_values_apart_resumes_wi
     assert all(r.method == method for r in load_checkpoint(new_dir).rounds)
     restored = load_checkpoint(old_dir).rounds
     assert all({k: v for k, v in r.method.items() if k in method} == method for r in restored)
+
+
+def test_the_alpha_chart_of_a_thousand_clients_keeps_the_size_of_forty_and_labels_the_groups(tmp_path, monkeypatch,
+                                                                                             rendered_charts):
+    """One label and 0.3 inch per client made a round of 1,000 clients a 300-inch figure of
+    33,000 pixels a side; the figure stops growing, and the groups are labelled instead."""
+    import struct
+
+    from common import figures
+    from common.methods.fedpac.charts import plot_alpha
+
+    drawn = []
+    save = figures.save_figure
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: (drawn.append(fig), save(fig, path)))
+    rng = np.random.default_rng(0)
+
+    def chart(m: int) -> tuple[int, int]:
+        path = tmp_path / f"alpha-{m}.png"
+        plot_alpha(rng.dirichlet(np.ones(m), size=m).tolist(), list(range(m)), 3, lambda pid: pid % 10, path)
+        return struct.unpack(">II", path.read_bytes()[16:24])  # the PNG header's width and height
+
+    assert chart(1000) == chart(40)
+    thousand, forty = (fig.axes[0] for fig in drawn)
+    assert [t.get_text() for t in thousand.get_xticklabels()] == [f"g{g}" for g in range(10)]
+    assert [t.get_text() for t in thousand.get_yticklabels()] == [f"g{g}" for g in range(10)]
+    assert len(thousand.lines) == 2 * 9  # a line between two groups, across and down
+    assert len(forty.get_xticklabels()) == 40
