@@ -28,7 +28,6 @@ from common.methods.client import (SITE_PARTS, ClientResult, LocalData, Received
 from common.model import FedPACNet, initial_model, weights_digest
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, calibrate, private_site
 from common.site_state import SiteStore, check_lineage
-from common.partition import client_split
 from common.training import evaluate_head, extract_features
 from common.training import evaluate as evaluate_model
 from client_app.site_model import SiteModel, save_site_model
@@ -89,6 +88,11 @@ def client_tensors(
         test = data.test_images, data.test_labels
         mean, std = run_normalization(cfg)  # the run's, never this site's own statistics
     else:
+        # Imported here: a deployed site never partitions, and the partitioning libraries
+        # (Hugging Face datasets, flwr-datasets, and with them pandas, pyarrow, matplotlib and
+        # scipy) would add about 60 MB to each of its processes (docs/PERFORMANCE.md).
+        from common.partition import client_split  # pylint: disable=import-outside-toplevel
+
         data = load_dataset(cfg)
         split = client_split(cfg, partition_id, num_partitions)
         train = data.train_images[split.train_indices], split.train_labels

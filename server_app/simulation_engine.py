@@ -17,13 +17,20 @@ which calls the hook, before it starts that thread.
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 from collections.abc import Iterable
+from logging import WARNING
 from queue import Queue
 from typing import Any
 
 from flwr.app import Message
+from flwr.common.logger import log
 from flwr.server.superlink.fleet.vce import vce_api
+
+# The Flower release whose engine this replaces a part of (deploy/flower_pin.py pins the same,
+# tests/test_simulation_engine.py checks it): on another, the engine keeps its own hand-over.
+WRITTEN_FOR = "1.39.0"
 
 
 def nodes_with_messages(state: Any, nodes: Iterable[int]) -> list[int]:
@@ -50,5 +57,11 @@ def add_messages_to_queue(state: Any, queue: Queue[Message], nodes_mapping: dict
 
 
 def install() -> None:
-    """Make the engine's message hand-over :func:`add_messages_to_queue` (idempotent)."""
+    """Make the engine's message hand-over :func:`add_messages_to_queue` (idempotent), on the
+    Flower release it was written for; on another, log that the engine keeps its own."""
+    installed = importlib.metadata.version("flwr")
+    if installed != WRITTEN_FOR:
+        log(WARNING, "flwr %s is installed, not %s: the simulation engine keeps its own message hand-over, "
+            "slower with many clients", installed, WRITTEN_FOR)
+        return
     vce_api.add_messages_to_queue = add_messages_to_queue

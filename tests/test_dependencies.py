@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterable, Iterator
@@ -427,3 +428,12 @@ def test_a_machine_without_the_embedded_data_gets_a_clear_error(monkeypatch):
     monkeypatch.setattr(data_module, "EMBEDDED_MNIST_PACKAGE", "no_such_package_here")
     with pytest.raises(data_module.DataError, match="install the project"):
         data_module.embedded_mnist_table()
+
+
+def test_a_deployed_site_s_clientapp_does_not_import_the_partitioning_libraries():
+    """A site trains on its own data folder: Hugging Face datasets, flwr-datasets and what they
+    bring (pandas, pyarrow, matplotlib, scipy) stay out of its processes (docs/PERFORMANCE.md)."""
+    heavy = ("datasets", "flwr_datasets", "pandas", "pyarrow", "matplotlib", "scipy")
+    probe = f"import sys, client_app.app; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

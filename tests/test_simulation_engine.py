@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from queue import Queue
 
 import pytest
@@ -82,6 +83,23 @@ def test_a_link_state_kept_elsewhere_is_asked_for_every_node():
         pass
 
     assert simulation_engine.nodes_with_messages(Elsewhere(), [4, 2]) == [4, 2]
+
+
+def test_it_is_installed_on_the_pinned_flower_only(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "deploy"))
+    import flower_pin  # pylint: disable=import-outside-toplevel
+
+    assert simulation_engine.WRITTEN_FOR == flower_pin.FLOWER_VERSION
+    monkeypatch.setattr(vce_api, "add_messages_to_queue", FLOWER_HAND_OVER)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.40.0" if name == "flwr" else real_version(name))
+    simulation_engine.install()
+    assert vce_api.add_messages_to_queue is FLOWER_HAND_OVER
+    monkeypatch.setattr(importlib.metadata, "version", real_version)
+    simulation_engine.install()
+    assert vce_api.add_messages_to_queue is simulation_engine.add_messages_to_queue
 
 
 def test_flowers_in_memory_link_state_keeps_what_the_hand_over_reads():
