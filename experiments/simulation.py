@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 from typing import Any
 
@@ -55,6 +56,9 @@ def run_cell(run_config: dict[str, Any], clients: int, cpus_per_client: float = 
     from flwr.simulation import run_simulation  # pylint: disable=import-outside-toplevel
 
     simulation_engine.install()
+    # A Ray of the cell's own unless told otherwise: plain ray.init() joins the last `ray start`
+    # of this host, whose workers may not run this checkout's code.
+    os.environ.setdefault("RAY_ADDRESS", "local")
     server_app, client_app = make_apps(run_config)
     run_simulation(
         server_app=server_app,
