@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.memory import descendants, pss_mb, rss_mb  # noqa: E402
+from bench.publish import command_line, publish  # noqa: E402
 from common import protocol as p  # noqa: E402
 from experiments.simulation import make_apps  # noqa: E402
 from server_app import simulation_engine  # noqa: E402
@@ -195,16 +195,11 @@ def main(argv: list[str] | None = None) -> None:
             "num_trained": int(record["num_trained"]), "num_evaluated": int(record["num_evaluated"]),
             "mean_accuracy": float(record["mean_accuracy"]),
         })
-    args.results.mkdir(parents=True, exist_ok=True)
-    with (args.results / "scale.csv").open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     steady = rows[1:] or rows  # round 1 also loads the data and builds the partitions in each worker
     median = {key: round(statistics.median(r[key] for r in steady), 3)
               for key in ("wall_seconds", "client_work_seconds", "server_step_seconds", "overhead_seconds")}
     summary = {
-        "command": "python bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("scale.py", argv),
         "engine": "Flower's" if args.flower_engine else "server_app.simulation_engine",
         "clients": args.clients, "fraction": args.fraction, "rounds": args.rounds, "samples": args.samples,
         "clients_at_once": concurrency, "wall_seconds": round(wall, 1),
@@ -216,9 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         "accuracy_first_round": rows[0]["mean_accuracy"], "accuracy_last_round": rows[-1]["mean_accuracy"],
         "outputs": str(run_dir),
     }
-    (args.results / "scale.json").write_text(json.dumps(summary, indent=2) + "\n")
+    publish(args.results, "scale", rows, summary)
     plot(rows, args.results / "scale.png")
-    print(json.dumps(summary, indent=2))
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import random
 import sys
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.memory import descendants, rss_mb  # noqa: E402
+from bench.publish import command_line, publish  # noqa: E402
 from common import protocol as p  # noqa: E402
 from experiments.simulation import make_apps  # noqa: E402
 
@@ -134,18 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     if len(rows) != args.rounds:
         raise SystemExit(f"soak: only {len(rows)} of {args.rounds} rounds completed (outputs in {out})")
 
-    args.results.mkdir(parents=True, exist_ok=True)
-    with (args.results / "soak.csv").open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     sampled = max(1, round(args.fraction * args.clients))
     # every client trains in the last round (full-last-round); evaluation always samples
     expected = [args.clients if r["round"] == args.rounds else sampled for r in rows]
     missing_train = sum(e - r["num_trained"] for e, r in zip(expected, rows))
     missing_eval = sum(sampled - r["num_evaluated"] for r in rows)
     summary = {
-        "command": "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("soak.py", argv),
         "clients": args.clients, "fraction": args.fraction, "rounds": args.rounds,
         "failure_rate": args.failure_rate, "wall_seconds": round(wall, 1),
         "train_replies_missing": missing_train, "train_calls": sum(expected),
@@ -157,9 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "last_5_rounds": max(r["workers_peak_rss_mb"] for r in rows[-5:])},
         "outputs": str(out),
     }
-    (args.results / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    publish(args.results, "soak", rows, summary)
     plot(rows, args.results / "soak.png")
-    print(json.dumps(summary, indent=2))
 
 
 def plot(rows: list[dict], path: Path) -> None:
