@@ -90,7 +90,7 @@ def client_tensors(
     else:
         # Imported here: a deployed site never partitions, and the partitioning libraries
         # (Hugging Face datasets, flwr-datasets, and with them pandas, pyarrow, matplotlib and
-        # scipy) would add about 60 MB to each of its processes (docs/PERFORMANCE.md).
+        # scipy) would add 190 MB resident, 68 MB of it private, to its worker (docs/PERFORMANCE.md).
         from common.partition import client_split  # pylint: disable=import-outside-toplevel
 
         data = load_dataset(cfg)

@@ -43,7 +43,7 @@ def shipped_modules() -> list[ModuleType]:
 
 
 def ship_app(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
-    """Ray's runtime-environment hook: ``runtime_env`` with the app's packages in ``py_modules``.
+    """``runtime_env`` with the ClientApp's packages added to ``py_modules``.
 
     Whatever else the caller set (Flower sets the driver's ``PYTHONPATH``) is kept.
     """
