@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import time
 from logging import INFO
 from functools import lru_cache
@@ -27,6 +28,8 @@ from common.methods.client import (SITE_PARTS, ClientResult, LocalData, Received
                                    only_parts, site_model_state)
 from common.model import FedPACNet, initial_model, weights_digest
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, calibrate, private_site
+from common.site_privacy import (Entry, SiteLedger, SitePolicy, digest_arrays, noise_seed, parse_secret, privacy_folder,
+                                 release_id, site_secret)
 from common.site_state import SiteStore, check_lineage
 from common.training import evaluate_head, extract_features
 from common.training import evaluate as evaluate_model
@@ -166,9 +169,12 @@ def _model_from(sections: p.Sections, kept: dict[str, p.NDArrays], method: Metho
 
 
 def site_state_root(context: Context) -> Path:
-    """Where a site keeps what it never sends: under its node config's ``model-dir`` (a deployed
-    site's own folder), else under Flower's home on its machine (a simulation). Never a path the
-    run config or the server names."""
+    """Where a site keeps what it never sends: its node config's ``state-dir``, else under its
+    ``model-dir`` (a deployed site's own folder), else under Flower's home on its machine (a
+    simulation). Never a path the run config or the server names."""
+    state_dir = str(context.node_config.get("state-dir", ""))
+    if state_dir:
+        return Path(state_dir)
     model_dir = str(context.node_config.get("model-dir", ""))
     return Path(model_dir) / "site-state" if model_dir else get_flwr_home() / "fedpac-site-state"
 
@@ -183,14 +189,19 @@ def site_store(msg: Message, context: Context, cfg: FedPACConfig) -> SiteStore |
         raise ValueError(f"the server sent no run lineage; the sites of this {cfg.strategy} run keep "
                          "state between rounds")
     lineage = check_lineage(list(config[p.LINEAGE_RUNS]), list(config[p.LINEAGE_STARTS]))  # type: ignore[arg-type]
-    return SiteStore(site_state_root(context), partition_of(context)[0], lineage)
+    return SiteStore(site_state_root(context), partition_of(context)[0], lineage, owner=f"flower-run-{context.run_id}")
 
 
-def server_round_of(msg: Message) -> int:
-    """The run's absolute round number the server sent (0 for the pre-flight query)."""
+def server_round_of(msg: Message, cfg: FedPACConfig) -> int:
+    """The run's absolute round number the server sent, one of the run's rounds: the run config
+    (which the server cannot change once the run started) bounds it, so no message can push a
+    site's kept rounds far ahead and make it drop the ones it trained."""
     value = msg.content.config_records[p.CONFIG][p.SERVER_ROUND]
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"the server sent {p.SERVER_ROUND} = {value!r}, expected an integer")
+    if not 1 <= value <= cfg.num_server_rounds:
+        raise ValueError(f"the server sent {p.SERVER_ROUND} = {value}, not a round of this run "
+                         f"(num-server-rounds = {cfg.num_server_rounds})")
     return value
 
 
@@ -216,7 +227,8 @@ def _setup(msg: Message, context: Context):
 
 def _seed(cfg: FedPACConfig, server_round: int, partition_id: int, purpose: int = 0) -> int:
     """A seed of (seed, round, partition-id), so a resumed run repeats what it seeds exactly;
-    ``purpose`` separates streams (training 0, FedAvg-FT's fine-tuning 1, privacy noise 2)."""
+    ``purpose`` separates streams (training 0, FedAvg-FT's fine-tuning 1). Never for a private
+    release: the server knows all three (:func:`_private_update` draws from the site's secret)."""
     return cfg.seed * 1_000_003 + server_round * 1_009 + partition_id + purpose * 7_919_011
 
 
@@ -225,79 +237,142 @@ def _generator(cfg: FedPACConfig, server_round: int, partition_id: int, purpose:
     return torch.Generator().manual_seed(_seed(cfg, server_round, partition_id, purpose))
 
 
-# What a site keeps of its differential privacy (``common.privacy``): the ledger of everything it
-# released in the run so far, what its last round released (a budget's look-ahead), and the
-# factor its noise multipliers were calibrated with (dp-target-epsilon).
-PRIVACY, SPENT, LAST_ROUND, FACTOR = "privacy", "spent", "last-round", "noise-factor"
-NOISE = 2
+# What a site keeps of its differential privacy with a run's state (``common.site_state``): the
+# factor its noise multipliers were calibrated with (dp-target-epsilon). Its secret and its
+# ledger are its own, across runs (``common.site_privacy``).
+PRIVACY, FACTOR = "privacy", "noise-factor"
+# Run-config keys that shape only what the server does (sampling, timeouts, outputs) or that
+# reach the site's computation only through the privacy settings in force: a release's identity
+# leaves them out, so a resumed run (another resume-from and output-dir, more rounds) asks the
+# same release again and gets it, bit for bit and free. Every other key is part of it.
+SERVER_ONLY_KEYS = frozenset({
+    "num_server_rounds", "fraction_train", "full_last_round", "min_available_clients", "min_train_replies",
+    "max_failed_rounds", "max_samples_per_client", "max_weight_ratio", "fraction_evaluate", "fused_evaluation",
+    "round_timeout", "partition_map", "dp_epsilon_budget", "dp_target_epsilon", "output_dir", "resume_from",
+    "save_model_every", "generalized_every",
+})
+# The run-config keys that decide which records a simulated site holds.
+DATA_KEYS = ("dataset", "data_dir", "hf_repo", "num_classes", "image_size", "image_channels", "partition",
+             "uniform_share", "samples_per_client", "test_samples_per_client", "dirichlet_alpha",
+             "pathological_classes", "min_train_per_class", "min_test_per_class", "class_train_samples",
+             "class_test_samples", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SitePrivacy:
+    """A private site's secret, its ledger for the data it trains on and its own policy
+    (``common.site_privacy``)."""
+
+    secret: bytes
+    ledger: SiteLedger
+    policy: SitePolicy = SitePolicy()
+
+
+def site_privacy(context: Context, cfg: FedPACConfig) -> SitePrivacy:
+    """The site's secret (node config ``dp-noise-secret``, 64 hex digits, else the one kept in its
+    folder, made from OS entropy the first time) and its ledger for this dataset: a deployed
+    site's data-path, a simulated site's partition of the run's dataset."""
+    partition_id, num_partitions = partition_of(context)
+    folder = privacy_folder(site_state_root(context), partition_id)
+    given = str(context.node_config.get("dp-noise-secret", ""))
+    secret = parse_secret(given) if given else site_secret(folder)
+    data_path = data_path_of(context)
+    identity = (f"data-path:{Path(data_path).resolve()}" if data_path else
+                repr([(key, getattr(cfg, key)) for key in DATA_KEYS] + [("partition", partition_id, num_partitions)]))
+    dataset = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return SitePrivacy(secret, SiteLedger(folder / f"ledger-{dataset}.jsonl"),
+                       SitePolicy.from_node_config(context.node_config))
+
+
+def _release_of(cfg: FedPACConfig, settings: PrivacySettings, partition_id: int, received: Received,
+                sections: p.Sections, kept: dict[str, p.NDArrays]) -> str:
+    """The identity of the release a train message asks for (``common.site_privacy.release_id``):
+    what the site received, what it kept, and the settings that shape its computation."""
+    arrays = hashlib.sha256()
+    digest_arrays(sections, arrays)
+    digest_arrays(kept, arrays)
+    config = {key: value for key, value in received.config.items()
+              if key not in (p.LINEAGE_RUNS, p.LINEAGE_STARTS, p.EVALUATE_ROUND)}
+    run = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in SERVER_ONLY_KEYS}
+    return release_id(partition_id, received.server_round, [
+        arrays.digest(), repr(sorted(config.items())).encode(), repr(sorted(run.items())).encode(),
+        repr(dataclasses.replace(settings, epsilon_budget=0.0, target_epsilon=0.0, rounds=0)).encode()])
 
 
 def _local_update_privately(  # pylint: disable=too-many-arguments
     method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
-    settings: PrivacySettings, partition_id: int,
+    settings: PrivacySettings, secret: bytes, release: str,
 ) -> tuple[ClientResult, Ledger]:
-    """The method's local update with every release private, and what it released; its noise is
-    drawn from (seed, round, partition-id)."""
-    server_round = received.server_round
-    with private_site(settings, _seed(cfg, server_round, partition_id, NOISE)) as site:
-        result = client_routine(method).local_update(model, data, received, cfg,
-                                                     _generator(cfg, server_round, partition_id))
+    """The method's local update with every release private, and what it released; its noise
+    and its samples are drawn from the site's secret, keyed by the release."""
+    with private_site(settings, noise_seed(secret, release, "noise")) as site:
+        result = client_routine(method).local_update(
+            model, data, received, cfg, torch.Generator().manual_seed(noise_seed(secret, release, "sampling")))
     return result, site.ledger
 
 
-def _noise_factor(method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
-                  settings: PrivacySettings, partition_id: int) -> float:
-    """The factor on both noise multipliers with which the run's remaining rounds reach
-    dp-target-epsilon: a trial of this round's local update on copies counts one round's
-    releases (nothing of the trial leaves the site or stays; only n, which is public, shapes
-    what it counts)."""
+def _noise_factor(  # pylint: disable=too-many-arguments
+    method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
+    settings: PrivacySettings, partition_id: int, spent: Ledger, secret: bytes,
+) -> float:
+    """The factor on both noise multipliers with which the site's ledger, after the run's
+    remaining rounds, reaches dp-target-epsilon: a trial of this round's local update on copies
+    counts one round's releases (nothing of the trial leaves the site or stays; only n, which is
+    public, shapes what it counts), and what the site spent before (other runs included) is
+    spent."""
     trial = dataclasses.replace(data, state=SiteState(copy.deepcopy(data.state.kept)))
-    _, released = _local_update_privately(method, copy.deepcopy(model), trial, received, cfg, settings, partition_id)
+    _, released = _local_update_privately(method, copy.deepcopy(model), trial, received, cfg, settings, secret,
+                                          "calibration-trial")
     rounds = max(1, settings.rounds - received.server_round + 1)
-    factor = calibrate(released, rounds, settings.target_epsilon, settings.delta)
+    factor = calibrate(released, rounds, settings.target_epsilon, settings.delta, spent)
     log(INFO, "partition %d: noise multipliers %.4g (gradients) and %.4g (statistics) reach epsilon = %g at "
         "delta = %g in %d rounds", partition_id, settings.noise_multiplier * factor,
         settings.statistics_noise_multiplier * factor, settings.target_epsilon, settings.delta, rounds)
     return factor
 
 
-def _private_update(  # pylint: disable=too-many-arguments
+def _private_update(  # pylint: disable=too-many-arguments,too-many-locals
     method: Method, model: FedPACNet, data: LocalData, received: Received, cfg: FedPACConfig,
-    settings: PrivacySettings, partition_id: int, store: SiteStore | None,
+    settings: PrivacySettings, partition_id: int, privacy: SitePrivacy, run: str, sections: p.Sections,
 ) -> ClientResult:
     """The method's local update with every release private (``common.privacy.private_site``),
-    its cost added to the site's ledger, and the site's epsilon in its log and reply metrics.
+    charged to the site's own ledger before anything of it leaves, and the site's epsilon (over
+    everything it released from this data, every run) in its log and reply metrics.
 
     With a budget the site stops before its epsilon would pass it: when its last round's releases
     would take it over, without training; otherwise when this round's did, before anything of
-    it leaves the site. Nothing is spent then, and the run goes on without the site.
+    it leaves the site. Nothing is charged then, and the run goes on without the site. A request
+    the site answered before, with the same inputs, gets the same release again (drawn from the
+    same noise: nothing new), and is not charged twice.
     """
     server_round = received.server_round
-    before = dict(data.state.kept)  # as the site kept it: a round over budget keeps nothing of its own
+    entries = privacy.ledger.entries()
+    spent = privacy.ledger.spent(entries)
     kept = data.state.get(PRIVACY) or {}
-    spent = Ledger.from_array(kept[SPENT]) if SPENT in kept else Ledger()
-    last = Ledger.from_array(kept[LAST_ROUND]) if LAST_ROUND in kept else Ledger()
     if settings.target_epsilon:
         factor = float(kept[FACTOR][0]) if FACTOR in kept else _noise_factor(
-            method, model, data, received, cfg, settings, partition_id)
+            method, model, data, received, cfg, settings, partition_id, spent, privacy.secret)
         kept = {**kept, FACTOR: np.array([factor])}
         settings = settings.scaled(factor)
-    budget = settings.epsilon_budget
-    if budget and last.history:
-        _check_budget(spent, spent.then(last), settings, partition_id, server_round)
-    result, released = _local_update_privately(method, model, data, received, cfg, settings, partition_id)
-    total = spent.then(released)
-    if budget:
-        try:
-            _check_budget(spent, total, settings, partition_id, server_round)
-        except PrivacyBudgetSpent:
-            if store is not None:  # the next round refuses without training
-                store.save(server_round, {**before, PRIVACY: {**kept, LAST_ROUND: released.to_array()}})
-            raise
+    privacy.policy.check(settings)  # the noise in force, calibrated or not
+    settings = dataclasses.replace(settings, epsilon_budget=privacy.policy.budget(settings.epsilon_budget))
+    release = _release_of(cfg, settings, partition_id, received, sections, data.state.kept)
+    repeat = privacy.ledger.find(release, entries) is not None
+    if settings.epsilon_budget and entries and not repeat:
+        _check_budget(spent, spent.then(entries[-1].released), settings, partition_id, server_round)
+    result, released = _local_update_privately(method, model, data, received, cfg, settings, privacy.secret,
+                                               release)
+    entry = Entry(release, run, server_round, released)
+    try:
+        total = _charge(privacy, entry, settings, partition_id)
+    except PrivacyBudgetSpent:  # the next round refuses without training
+        privacy.ledger.append(dataclasses.replace(entry, refused=True))
+        raise
     epsilon = total.epsilon(settings.delta)
+    budget = settings.epsilon_budget
     log(INFO, "partition %d, round %d: differential privacy epsilon = %.4g at delta = %g%s", partition_id,
         server_round, epsilon, settings.delta, f" (budget {budget:g})" if budget else "")
-    data.state.put(PRIVACY, {**kept, SPENT: total.to_array(), LAST_ROUND: released.to_array()})
+    data.state.put(PRIVACY, kept)
     return dataclasses.replace(result, metrics={**result.metrics, p.DP_EPSILON: epsilon})
 
 
@@ -323,7 +398,7 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     cfg, partition_id, device, sections = _setup(msg, context)
     method = configured_method(cfg)
-    server_round = server_round_of(msg)
+    server_round = server_round_of(msg, cfg)
     evaluate_round = evaluate_round_of(msg, server_round)
     store = site_store(msg, context, cfg)
     kept = store.load(server_round - 1) if store is not None else {}
@@ -337,14 +412,16 @@ def train(msg: Message, context: Context) -> Message:
                         config=dict(msg.content.config_records[p.CONFIG]))
     settings = privacy_settings(cfg)
     if settings is None:
+        SitePolicy.from_node_config(context.node_config).check(None)  # a site that requires DP refuses
         result = client_routine(method).local_update(model, data, received, cfg,
                                                      _generator(cfg, server_round, partition_id))
     else:
-        result = _private_update(method, model, data, received, cfg, settings, partition_id, store)
+        run = store.lineage[-1][0] if store is not None else ""
+        result = _private_update(method, model, data, received, cfg, settings, partition_id,
+                                 site_privacy(context, cfg), run, sections)
 
     metrics = MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: result.num_examples,
-                            p.TRAIN_LOSS: result.train_loss, **result.metrics,
-                            "train-seconds": time.perf_counter() - started})
+                            **_released_metrics(result, settings is not None, time.perf_counter() - started)})
     state = {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}
     if store is not None:
         store.save(server_round, {**data.state.kept, SITE_PARTS: only_parts(state, method.site_parts)})
@@ -354,6 +431,16 @@ def train(msg: Message, context: Context) -> Message:
     if evaluation is not None:
         content[p.EVALUATION] = evaluation
     return Message(content=content, reply_to=msg)
+
+
+def _released_metrics(result: ClientResult, private: bool, seconds: float) -> dict[str, float]:
+    """The training metrics a reply carries. Without DP: the losses, the method's metrics and
+    the time. With DP, the losses and the time depend on the training records and are outside
+    the ledger: they are withheld, and the reply carries only what the server step reads
+    (``ClientResult.for_server``) and the site's epsilon."""
+    if not private:
+        return {p.TRAIN_LOSS: result.train_loss, **result.metrics, "train-seconds": seconds}
+    return {key: result.metrics[key] for key in (*result.for_server, p.DP_EPSILON)}
 
 
 def _local_data(cfg: FedPACConfig, context: Context, device: torch.device, server_round: int,
@@ -389,7 +476,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Personalized accuracy of the model the server sent for this client (:func:`_evaluation`)."""
     cfg, _, device, sections = _setup(msg, context)
     method = configured_method(cfg)
-    server_round = server_round_of(msg)
+    server_round = server_round_of(msg, cfg)
     store = site_store(msg, context, cfg)
     kept = store.load(server_round) if store is not None else {}
     metrics = _evaluation(_model_from(sections, kept, method, cfg, device), cfg, context, server_round, kept)
@@ -413,8 +500,7 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     partition_id, _ = partition_of(context)
     device = next(model.parameters()).device
     data = _local_data(cfg, context, device, server_round, kept)
-    model = client_routine(configured_method(cfg)).before_evaluation(
-        model, data, cfg, _generator(cfg, server_round, partition_id, purpose=1))
+    model = _before_evaluation(model, data, cfg, context, server_round)
     loss, accuracy = evaluate_model(model, data.x_test, data.y_test)
     _keep_site_model(model, cfg, context, server_round, accuracy)
     metrics = MetricRecord(
@@ -431,6 +517,50 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
             model.head, full_test_features(model, cfg, device), current_concept(y_all, cfg, partition_id, server_round))
     metrics[p.EVAL_SECONDS] = time.perf_counter() - started
     return metrics
+
+
+def _before_evaluation(model: FedPACNet, data: LocalData, cfg: FedPACConfig, context: Context,
+                       server_round: int) -> FedPACNet:
+    """The method's preparation of the model it evaluates (FedAvg-FT's and FedBABU's fine-tuning
+    of a copy). Its result reaches the server through the accuracy the site reports, and stays
+    as the site's model: with DP on, the fine-tuning is DP-SGD drawn from the site's secret, and
+    charged to the site's ledger like any release (refused past its budget)."""
+    partition_id, _ = partition_of(context)
+    routine = client_routine(configured_method(cfg))
+    settings = privacy_settings(cfg)
+    if settings is None:
+        return routine.before_evaluation(model, data, cfg, _generator(cfg, server_round, partition_id, purpose=1))
+    privacy = site_privacy(context, cfg)
+    factor = (data.state.get(PRIVACY) or {}).get(FACTOR)
+    if factor is not None:
+        settings = settings.scaled(float(factor[0]))
+    privacy.policy.check(settings)
+    settings = dataclasses.replace(settings, epsilon_budget=privacy.policy.budget(settings.epsilon_budget))
+    evaluated = {"evaluated-model": {key: value.detach().cpu().numpy() for key, value in model.state_dict().items()}}
+    release = _release_of(cfg, settings, partition_id, Received(server_round=server_round,
+                                                                config={"before-evaluation": 1}),
+                          evaluated, data.state.kept)
+    with private_site(settings, noise_seed(privacy.secret, release, "noise")) as site:
+        model = routine.before_evaluation(
+            model, data, cfg, torch.Generator().manual_seed(noise_seed(privacy.secret, release, "sampling")))
+    if site.ledger.history:
+        _charge(privacy, Entry(release, "", server_round, site.ledger), settings, partition_id)
+    return model
+
+
+def _charge(privacy: SitePrivacy, entry: Entry, settings: PrivacySettings, partition_id: int) -> Ledger:
+    """Charge ``entry``'s release to the site's ledger before it leaves (once: a release the
+    site made before is the same bits again), or raise :class:`PrivacyBudgetSpent` when it
+    would take the site past its budget; returns everything spent after it."""
+    entries = privacy.ledger.entries()
+    spent = privacy.ledger.spent(entries)
+    if privacy.ledger.find(entry.release, entries) is not None:
+        return spent
+    total = spent.then(entry.released)
+    if settings.epsilon_budget:
+        _check_budget(spent, total, settings, partition_id, entry.round)
+    privacy.ledger.append(entry)
+    return total
 
 
 @app.query()

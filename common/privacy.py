@@ -20,10 +20,10 @@ to adding or removing one training record of the site:
   first round and DP-SGD's sampling rate is made of it.
 
 Everything is composed by one accountant per site (:class:`Ledger`: Opacus's RDP analysis of the
-sampled Gaussian mechanism; a full-batch release is the sampling rate 1). The ledger is kept at
-the site from round to round (``common.site_state``), so a restarted node or a resumed server
-continues it. The noise is drawn from a generator seeded by (seed, round, partition-id), so a
-resumed run draws the same noise.
+sampled Gaussian mechanism; a full-batch release is the sampling rate 1). The ledger is the
+site's own, across runs, and the noise is drawn from a secret only the site holds
+(``common.site_privacy``): nothing the server knows or sends can regenerate the noise or start
+the ledger over.
 
 The hooks that compute per-sample gradients and the RDP analysis are Opacus's (imported when
 first used: a run without DP does not pay for them); the rest is plain torch and knows nothing
@@ -145,16 +145,21 @@ def epsilon_of(history: Sequence[Mechanism], delta: float) -> float:
     return float(epsilon)
 
 
-def calibrate(round_ledger: Ledger, rounds: int, target: float, delta: float) -> float:
+def calibrate(round_ledger: Ledger, rounds: int, target: float, delta: float, spent: Ledger | None = None) -> float:
     """The smallest factor (to 0.1 %) by which every noise multiplier of ``round_ledger``, one
-    round's releases, must grow so that ``rounds`` such rounds stay within ``target`` at ``delta``:
-    Opacus's ``get_noise_multiplier`` for a whole round's mix of mechanisms."""
+    round's releases, must grow so that ``rounds`` such rounds, after what the site ``spent``
+    before, stay within ``target`` at ``delta``: Opacus's ``get_noise_multiplier`` for a whole
+    round's mix of mechanisms."""
     if not round_ledger.history:
         raise ValueError("a round that releases nothing needs no calibration")
+    spent = spent or Ledger()
+    if spent.history and spent.epsilon(delta) >= target:
+        raise ValueError(f"the site has spent epsilon = {spent.epsilon(delta):.4g} at delta = {delta:g} already: "
+                         f"no noise keeps it within epsilon = {target:g}")
     run = round_ledger.repeated(rounds)
 
     def fits(factor: float) -> bool:
-        return run.scaled(factor).epsilon(delta) <= target
+        return spent.then(run.scaled(factor)).epsilon(delta) <= target
 
     low, high = 1e-3, 1.0
     while not fits(high):

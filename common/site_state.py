@@ -18,6 +18,7 @@ Nothing here knows Flower: the ClientApp says where the root is and which lineag
 
 from __future__ import annotations
 
+import os
 import re
 import zipfile
 from collections.abc import Sequence
@@ -62,13 +63,22 @@ def check_lineage(runs: Sequence[object], starts: Sequence[object]) -> Lineage:
     return tuple(lineage)
 
 
-class SiteStore:
-    """A site's kept state for one partition across a lineage of runs, on disk under ``root``."""
+OWNER_FILE = ".owner"
 
-    def __init__(self, root: Path, partition_id: int, lineage: Lineage) -> None:
+
+class SiteStore:
+    """A site's kept state for one partition across a lineage of runs, on disk under ``root``.
+
+    ``owner`` is who the site itself knows is asking (its Flower run id), never what a message
+    says: the first run to write a run folder owns it, and another run that names the same run
+    key (a server that wants the site to overwrite, or prune, the rounds of an earlier run) is
+    refused. Earlier runs of a lineage are only ever read."""
+
+    def __init__(self, root: Path, partition_id: int, lineage: Lineage, owner: str = "") -> None:
         self.root = Path(root)
         self.partition_id = partition_id
         self.lineage = lineage
+        self.owner = owner
 
     def _folder(self, run: str) -> Path:
         return self.root / run / f"partition-{self.partition_id}"
@@ -111,9 +121,26 @@ class SiteStore:
         run = self.lineage[-1][0]
         folder = self._folder(run)
         folder.mkdir(parents=True, exist_ok=True)
+        self._claim(folder)
         path = folder / f"round-{server_round}.npz"
         atomic_write(path, npz_bytes({f"{name}{SEPARATOR}{key}": value
                                       for name, arrays in kept.items() for key, value in arrays.items()}))
         for old in self._rounds(run)[:-KEPT_ROUNDS]:
             (folder / f"round-{old}.npz").unlink(missing_ok=True)
         return path
+
+    def _claim(self, folder: Path) -> None:
+        """Make ``folder`` this store's owner's, or refuse when another run owns it."""
+        if not self.owner:
+            return
+        marker = folder / OWNER_FILE
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            holder = marker.read_text().strip()
+            if holder != self.owner:
+                raise ValueError(f"run {folder.parent.name} belongs to another run ({holder}) at this site: a "
+                                 f"run may only write its own folder, never an earlier one's") from None
+            return
+        with os.fdopen(fd, "w") as stream:
+            stream.write(self.owner + "\n")

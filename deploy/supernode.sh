@@ -9,6 +9,10 @@
 #     --data-path DIR   this node's own data (train.npz/test.npz, IDX files or image folders);
 #                       without it the node trains on slice I of the run's dataset (demos)
 #     --model-dir DIR   where this site keeps its personalized model (default: ./fedpac-model)
+#     --privacy-policy "KEY=VALUE ..."
+#                       the site's own privacy policy, which no run can lower (docs/CONFIGURATION.md,
+#                       Node config): dp-required=true, dp-epsilon-budget=E,
+#                       dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D
 #     --port            local port of the SuperNode's runtime API for its ClientApp (127.0.0.1)
 #     --executor KIND   warm (default): deploy/warm_executor.py runs every message of a run in
 #                       that run's own long-lived process, never shared with another run and
@@ -41,7 +45,7 @@ need_file() {
   [ -r "$1" ] || die "$2 $1: not readable"
 }
 
-superlink="" ca="" ca_opt="--ca" key="" pid="" num="" data="" data_given="" models="fedpac-model" port="9094"
+superlink="" ca="" ca_opt="--ca" key="" pid="" num="" data="" data_given="" models="fedpac-model" port="9094" policy=""
 restarts=18 delay=10 executor="warm"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,6 +57,7 @@ while [ $# -gt 0 ]; do
     --num-partitions) value "$@"; num="$2"; shift 2 ;;
     --data-path) value "$@"; data="$2"; data_given=1; shift 2 ;;
     --model-dir) value "$@"; models="$2"; shift 2 ;;
+    --privacy-policy) value "$@"; policy="$2"; shift 2 ;;
     --executor) value "$@"; executor="$2"; shift 2 ;;
     --port) value "$@"; port="$2"; shift 2 ;;
     --restarts) value "$@"; restarts="$2"; shift 2 ;;
@@ -96,6 +101,12 @@ command -v flower-supernode >/dev/null ||
   die "flower-supernode is not on PATH: activate the environment FedPAC is installed in"
 
 node_config="partition-id=$pid num-partitions=$num model-dir=\"$(cd "$models" && pwd)\""
+read -r -a entries <<< "$policy"
+for entry in "${entries[@]}"; do  # only the policy's own keys: the partition and folders have options of their own
+  [[ "$entry" =~ ^(dp-required=(true|false)|dp-(epsilon-budget|min-noise-multiplier|min-statistics-noise-multiplier|max-delta)=[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?)$ ]] ||
+    die "--privacy-policy: '$entry' is not one of dp-required=true|false, dp-epsilon-budget=E, dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D"
+  node_config+=" $entry"
+done
 if [ -n "$data_given" ]; then
   node_config+=" data-path=\"$(cd "$data" && pwd)\""
 fi

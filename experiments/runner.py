@@ -130,6 +130,9 @@ def simulate(cell: Cell, directory: Path, resume_from: Path | None, log_path: Pa
         "--clients", str(cell.clients),
         "--cpus-per-client", str(options.cpus_per_client),
         "--gpus-per-client", str(options.gpus_per_client),
+        # a cell's sites are its own: their state and privacy ledgers live with the cell (a
+        # resumed cell continues them), not with every other cell's under the user's Flower home
+        "--node-config", f"state-dir='{(directory / 'site-state').resolve()}'",
     ]
     env = dict(os.environ)
     # Ray's workers import the apps: make the project importable even when it is not installed.

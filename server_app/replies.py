@@ -194,7 +194,8 @@ def parse_train_reply(
     stats = _parse_statistics(sections, expected)
     num_examples = sample_count(metric(metrics, p.NUM_EXAMPLES), p.NUM_EXAMPLES)
     _check_sample_bound(num_examples, max_samples)
-    metric(metrics, p.TRAIN_LOSS)  # the round's report averages it
+    if p.TRAIN_LOSS in metrics or not server.cfg.dp:  # the report averages it; a private site withholds it
+        metric(metrics, p.TRAIN_LOSS)
     update = server.check(Update(
         partition_id=partition_id,
         extractor=extractor,

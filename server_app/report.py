@@ -119,7 +119,9 @@ class RoundRecord:  # pylint: disable=too-many-instance-attributes
 
     @property
     def mean_train_loss(self) -> float:
-        losses = [m[TRAIN_LOSS] for m in self.train.values()]
+        """The mean of the training losses the round's sites reported (NaN for none: sites with
+        differential privacy withhold theirs)."""
+        losses = [m[TRAIN_LOSS] for m in self.train.values() if TRAIN_LOSS in m]
         return float(np.mean(losses)) if losses else float("nan")
 
 
@@ -299,7 +301,7 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
             f"[round {record.round}/{self.num_rounds}] personalized accuracy "
             f"{100 * record.mean_accuracy:.2f}% (min {100 * min(acc, default=float('nan')):.1f}, "
             f"max {100 * max(acc, default=float('nan')):.1f}, {len(acc)} clients){generalized} | "
-            f"{len(record.train)} trained{rejected}, loss {record.mean_train_loss:.4f}"
+            f"{len(record.train)} trained{rejected}{_loss(record.mean_train_loss)}"
             f"{self.outputs.log(record)}{privacy} | {record.seconds:.1f}s"
         )
 
@@ -345,7 +347,7 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
             "min_accuracy": min(acc, default=""), "max_accuracy": max(acc, default=""),
             "mean_generalized_accuracy": r.mean_generalized_accuracy if r.generalized else "",
             "num_evaluated": len(acc), "num_trained": len(r.train),
-            "mean_train_loss": r.mean_train_loss if r.train else "",
+            "mean_train_loss": "" if np.isnan(r.mean_train_loss) else r.mean_train_loss,
             "bytes_sent": sum(r.bytes_sent.values()), "bytes_received": sum(r.bytes_received.values()),
             "seconds": r.seconds,
             "num_rejected": r.rejected,
@@ -447,3 +449,8 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
     @staticmethod
     def _save(fig: Figure, path: Path) -> None:
         figures.save_figure(fig, path)
+
+
+def _loss(mean: float) -> str:
+    """The round line's loss, or nothing where no site reported one."""
+    return "" if np.isnan(mean) else f", loss {mean:.4f}"

@@ -41,7 +41,10 @@ class InProcessGrid:
         tamper: Callable[[Message, int], Message | None] | None = None,
         crash_at_round: int | None = None,
         tamper_queries: bool = False,
+        node_config: dict | None = None,
     ) -> None:
+        """``node_config``: what every node's config holds besides its partition (a site's own
+        settings: ``state-dir``, ``dp-noise-secret``, ...)."""
         rng = random.Random(seed)
         self.partition_of_node: dict[int, int] = {}
         self.contexts: dict[int, Context] = {}
@@ -51,7 +54,7 @@ class InProcessGrid:
             self.contexts[node_id] = Context(
                 run_id=7,
                 node_id=node_id,
-                node_config={"partition-id": pid, "num-partitions": num_partitions},
+                node_config={**(node_config or {}), "partition-id": pid, "num-partitions": num_partitions},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )

@@ -11,11 +11,13 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from client_app import site_model
+from common.site_privacy import privacy_folder
 
 from tests.deployment import (
     FEDERATION,
@@ -50,11 +52,25 @@ def _export_partitions(data, run_config: str = SMALL) -> None:
                     "--out", str(data), "--run-config", run_config], check=True, capture_output=True)
 
 
-def _simulate(run_config: dict, out) -> None:
-    """The same run as a 3-client simulation, outputs in ``out``."""
+def _simulate(run_config: dict, out, node_config: str = "") -> None:
+    """The same run as a 3-client simulation, outputs in ``out``; ``node_config``: every
+    simulated site's own settings (``experiments.simulation --node-config``)."""
     subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
-                    json.dumps({**run_config, "output-dir": str(out)})],
+                    json.dumps({**run_config, "output-dir": str(out)}), "--node-config", node_config],
                    cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# One noise secret for the simulated sites and the deployed ones of a DP comparison: each site
+# draws its noise from its own secret (common.site_privacy), so only sites that share it compute
+# the same releases.
+SHARED_SECRET = "c0ffee" * 10 + "c0ff"
+
+
+def _give_secret(model_dir: Path, pid: int) -> None:
+    """What a deployed site does to fix its noise secret: the file in its own site-state folder."""
+    folder = privacy_folder(model_dir / "site-state", pid)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "noise-secret").write_text(SHARED_SECRET + "\n")
 
 
 def _assert_same_final_state(simulated, deployed) -> list[str]:
@@ -198,14 +214,17 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
               "min-available-clients": 3}
     methods = {"pfedvem": {"vem-head-steps": 2, "vem-mc-samples": 2}, "fedper": {},
                # differential privacy at every site: each site's ledger kept on its disk, its noise
-               # drawn from (seed, round, site)
+               # drawn from its secret (the simulated sites share the deployed ones')
                "fedpac": {"dp": True}}
+    sites = f"state-dir='{tmp_path / 'simulated-sites'}' dp-noise-secret='{SHARED_SECRET}'"
     for method, knobs in methods.items():
-        _simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4}, tmp_path / f"simulated-{method}")
+        _simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4}, tmp_path / f"simulated-{method}",
+                  sites)
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
         for pid in range(3):
+            _give_secret(tmp_path / "deployed" / "models" / f"client-{pid}", pid)
             federation.start_node(pid)
         for method, knobs in methods.items():
             first, resumed = tmp_path / f"first-{method}", tmp_path / f"resumed-{method}"

@@ -26,6 +26,7 @@ from common.methods import METHODS
 from common.methods.client import LocalData, Received, SiteState
 from common.model import FedPACNet
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
+from common.site_privacy import Entry, SiteLedger
 from common.statistics import class_feature_sums, class_means
 from common.training import train_extractor, train_head, train_joint
 from federation import InProcessGrid
@@ -266,25 +267,33 @@ def test_calibration_finds_the_noise_that_reaches_the_target():
 # ------------------------------------------------------------------------- at the site
 
 
-def test_a_site_whose_last_round_would_pass_its_budget_refuses_without_training(monkeypatch):
+def test_a_site_whose_last_round_would_pass_its_budget_refuses_without_training(monkeypatch, tmp_path):
     cfg = parse_run_config({"dp": True, "dp-epsilon-budget": 5.0})
     settings = privacy_settings(cfg)
     assert settings is not None
     spent, last = Ledger([(1.0, 0.05, 100)]), Ledger([(1.0, 0.05, 100)])
     assert spent.epsilon(DELTA) < 5.0 < spent.then(last).epsilon(DELTA)
-    kept = {client_app.PRIVACY: {client_app.SPENT: spent.to_array(), client_app.LAST_ROUND: last.to_array()}}
+    ledger = SiteLedger(tmp_path / "ledger.jsonl")
+    ledger.append(Entry("an-earlier-release", "run-a", 5, spent))
+    ledger.append(Entry("the-last-round", "run-a", 5, last, refused=True))
 
     def no_training(method):
         raise AssertionError("the site trained")
 
     monkeypatch.setattr(client_app, "client_routine", no_training)
     x, y = _data(8)
-    data = LocalData(x, y, x, y, SiteState(kept))
+    data = LocalData(x, y, x, y, SiteState({}))
     with pytest.raises(PrivacyBudgetSpent, match=r"partition 4 stops training at round 6: its epsilon would go "
                                                  r"from [0-9.]+ to [0-9.]+ at delta = 1e-05, over its budget "
                                                  r"dp-epsilon-budget = 5"):
         client_app._private_update(METHODS["fedavg"], _model(), data, Received(server_round=6), cfg, settings, 4,
-                                   None)
+                                   client_app.SitePrivacy(bytes(32), ledger), "run-b", {})
+
+
+def _own_sites(tmp_path: Path) -> dict[str, str]:
+    """Sites of a test's own: their state (their privacy ledgers) in the test's folder, not in
+    the folder every in-process run of this process shares."""
+    return {"state-dir": f"{tmp_path}-sites"}
 
 
 def _rows(out: Path, name: str) -> list[dict]:
@@ -304,7 +313,7 @@ def test_a_site_over_its_budget_stops_and_the_run_goes_on_without_it(tmp_path, c
               "batch-size": 20, "num-server-rounds": 6, "fraction-train": 0.5, "max-failed-rounds": 6,
               "dp": True, "dp-epsilon-budget": budget, "output-dir": str(tmp_path)}
     with caplog.at_level(logging.INFO):
-        run_fedpac(cast(Grid, InProcessGrid(config, 4)), parse_run_config(config), 1)
+        run_fedpac(cast(Grid, InProcessGrid(config, 4, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
     status = [d for d in tmp_path.iterdir() if d.is_dir()][0] / "status.json"
     assert '"finished"' in status.read_text()
     clients = [r for r in _rows(tmp_path, "clients.csv") if r["trained"] == "1"]
@@ -325,7 +334,7 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path)
     the site) and grows from round to round; the round line's maximum is the largest of them."""
     config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1,
               "batch-size": 20, "num-server-rounds": 2, "dp": True, "output-dir": str(tmp_path)}
-    run_fedpac(cast(Grid, InProcessGrid(config, 3)), parse_run_config(config), 1)
+    run_fedpac(cast(Grid, InProcessGrid(config, 3, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
     clients = _rows(tmp_path, "clients.csv")
     by_round = {t: [float(r["dp_epsilon"]) for r in clients if r["round"] == str(t)] for t in (1, 2)}
     assert len(by_round[1]) == len(by_round[2]) == 3

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.site_privacy import privacy_folder
 from server_app.ray_cluster import ship_app
 from tests.deployment import SMALL, rounds_of, run_dir
 from tests.netns import VirtualNetwork
@@ -76,6 +77,7 @@ class TwoHostCluster:
         self.env = {**os.environ, "HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
                     "FLWR_TELEMETRY_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
+        self.env.pop("FLWR_HOME", None)  # each host's is its HOME's, as the worker host's is
         self.processes = [
             self._spawn("head", [str(BIN / "ray"), "start", "--head", "--block", "--port", str(RAY_PORT),
                                  "--node-ip-address", network.addresses["head"], "--temp-dir", str(self.head_tmp),
@@ -169,6 +171,15 @@ def test_two_hosts_train_the_one_host_model_bit_for_bit(network, tmp_path):
     home.mkdir()
     hidden = [path for path in (ROOT, tmp_path, Path.home() / ".flwr", Path("/usr/share/datasets")) if path.is_dir()]
     cluster = TwoHostCluster(network, home, hidden)
+    one_host_home = tmp_path / "one-host-home"
+    # Each site draws its noise from a secret of its own (common.site_privacy): a partition's
+    # secret is the same on every host that may train it, and in the one-host run, so that the
+    # runs can be compared bit for bit. Each host's Flower home is its HOME's.
+    for flwr_home in (home / ".flwr", cluster.worker_tmp / "home" / ".flwr", one_host_home / ".flwr"):
+        for pid in range(CLIENTS):
+            folder = privacy_folder(flwr_home / "fedpac-site-state", pid)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "noise-secret").write_text(f"{pid:02d}" * 32 + "\n")
     try:
         simulate(cluster.env, tmp_path / "cluster", "--ray-address", cluster.address,
                  prefix=tuple(network.prefix("head")))
@@ -181,7 +192,7 @@ def test_two_hosts_train_the_one_host_model_bit_for_bit(network, tmp_path):
     assert on_head | on_worker == {(p, r) for p in range(CLIENTS) for r in (1, 2)}
 
     # The same run on this machine alone, on a Ray of its own (simulate.sh's default).
-    one_host_env = {**cluster.env, "HOME": str(tmp_path / "one-host-home")}
+    one_host_env = {**cluster.env, "HOME": str(one_host_home)}
     simulate(one_host_env, tmp_path / "one-host")
     cluster_state = np.load(run_dir(tmp_path / "cluster") / "final_state.npz")
     one_host_state = np.load(run_dir(tmp_path / "one-host") / "final_state.npz")

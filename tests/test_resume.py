@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import re
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from common import protocol as p
 from common.config import ConfigError, parse_run_config
 from common.model import EMBEDDING_DIM
+from common.site_privacy import SiteLedger, privacy_folder
 from common.site_state import SiteStore
 from federation import InProcessGrid
 from server_app.app import run_fedpac
@@ -27,9 +27,9 @@ BASE = {
 }
 
 
-def _run(run_config, grid_seed, crash_at_round=None, run_id=1):
+def _run(run_config, grid_seed, crash_at_round=None, run_id=1, node_config=None):
     cfg = parse_run_config(run_config)
-    grid = InProcessGrid(run_config, 6, seed=grid_seed, crash_at_round=crash_at_round)
+    grid = InProcessGrid(run_config, 6, seed=grid_seed, crash_at_round=crash_at_round, node_config=node_config)
     return run_fedpac(grid, cfg, run_id)
 
 
@@ -266,7 +266,7 @@ def test_a_run_resumes_exactly_from_a_checkpoint_of_format_1(name, tmp_path):
 @pytest.mark.parametrize(("name", "extra"), [
     ("fedper", {}), ("local", {}), ("ditto", {}),
     # differential privacy: each site's ledger (and its calibrated noise) kept at the site, the
-    # noise drawn from (seed, round, partition)
+    # noise drawn from the site's secret
     ("fedpac", {"dp": True}), ("ditto", {"dp": True, "dp-target-epsilon": 6.0}),
 ])
 def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, extra, tmp_path):
@@ -275,13 +275,20 @@ def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, extra, tmp_pat
     node restarted: new contexts, new node ids) computes the uninterrupted run's rounds, and its
     sites end with the same kept state and report the same epsilon."""
     config = {**BASE, "strategy": name, "num-server-rounds": 3, **extra}
-    full, full_report = _run({**config, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1)
+    # The uninterrupted run's sites and the interrupted ones are other sites (their own folders,
+    # their own ledgers) with the same secret: with it, the same requests give the same releases.
+    secret = "5e" * 32
+    sites = {"full": tmp_path / "full-sites", "crashed": tmp_path / "sites"}
+    full, full_report = _run({**config, "output-dir": str(tmp_path / "full")}, grid_seed=1, run_id=1,
+                             node_config={"state-dir": str(sites["full"]), "dp-noise-secret": secret})
+    own = {"state-dir": str(sites["crashed"]), "dp-noise-secret": secret}
     with pytest.raises(RuntimeError, match="simulated server crash in round 3"):
-        _run({**config, "output-dir": str(tmp_path / "crashed")}, grid_seed=2, crash_at_round=3, run_id=2)
+        _run({**config, "output-dir": str(tmp_path / "crashed")}, grid_seed=2, crash_at_round=3, run_id=2,
+             node_config=own)
     (crashed,) = (tmp_path / "crashed").iterdir()
     checkpoint = load_checkpoint(crashed)
     resumed, report = _run({**config, "output-dir": str(tmp_path / "resumed"), "resume-from": str(crashed)},
-                           grid_seed=3, run_id=3)
+                           grid_seed=3, run_id=3, node_config=own)
     assert [run for run, _ in resumed.lineage] == [checkpoint.lineage[0][0], resumed.lineage[-1][0]]
     assert resumed.lineage[-1][1] == checkpoint.completed_rounds + 1
     assert [r.accuracy for r in report.rounds] == [r.accuracy for r in full_report.rounds]
@@ -289,16 +296,20 @@ def test_a_run_whose_sites_keep_parts_of_it_resumes_exactly(name, extra, tmp_pat
     epsilons = [{pid: m.get(p.DP_EPSILON) for pid, m in r.train.items()} for r in report.rounds]
     assert epsilons == [{pid: m.get(p.DP_EPSILON) for pid, m in r.train.items()} for r in full_report.rounds]
     assert all(e is not None for r in epsilons for e in r.values()) == bool(extra)
-    root = Path(os.environ["FLWR_HOME"]) / "fedpac-site-state"
     trained = 0
     for pid in range(6):
-        expected = SiteStore(root, pid, full.lineage).load(3)
-        kept = SiteStore(root, pid, resumed.lineage).load(3)
+        expected = SiteStore(sites["full"], pid, full.lineage).load(3)
+        kept = SiteStore(sites["crashed"], pid, resumed.lineage).load(3)
         assert sorted(kept) == sorted(expected), pid
         for name_, arrays in expected.items():
             for key, value in arrays.items():
                 np.testing.assert_array_equal(kept[name_][key], value, err_msg=f"{pid} {name_} {key}")
         trained += bool(expected)
+        if extra.get("dp"):  # the same releases charged, each once, in both sites' own ledgers
+            charged = [{e.release for f in privacy_folder(sites[run], pid).glob("ledger-*.jsonl")
+                        for e in SiteLedger(f).entries() if not e.refused} for run in ("full", "crashed")]
+            assert charged[0] == charged[1], pid
+            trained += bool(charged[0])
     assert trained >= 3  # half the sites train each round
 
 

@@ -182,6 +182,19 @@ def test_the_node_gets_the_files_and_config(site):
     assert (site / "models").is_dir()
 
 
+def test_the_site_s_privacy_policy_reaches_its_node_config_and_nothing_else_does(site):
+    """--privacy-policy adds the site's own policy keys to its node config; anything else (a
+    partition of its choosing, a value that is not one) is refused in one line."""
+    policy = "dp-required=true dp-epsilon-budget=8 dp-min-noise-multiplier=0.8 dp-max-delta=1e-5"
+    result = run(site, [*base_args(site), "--privacy-policy", policy])
+    assert result.returncode == 0, result.stderr
+    args = (site / "args-1").read_text().splitlines()
+    assert args[args.index("--node-config") + 1].endswith(policy)
+    for bad in ("partition-id=3", "dp-required=yes", "dp-epsilon-budget=8;x", "*", "dp-noise-secret=00"):
+        assert_one_line_error(run(site, [*base_args(site), "--privacy-policy", bad]), "--privacy-policy",
+                              "is not one of")
+
+
 @pytest.mark.parametrize("executor", ["cold", "warm"])
 @pytest.mark.parametrize("plan, code, fix", [("key", "302", "certs.sh create"), ("tls", "305", "--ca")])
 def test_a_permanent_flower_exit_code_stops_at_once(site, executor, plan, code, fix):

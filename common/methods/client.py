@@ -92,6 +92,10 @@ class ClientResult:
     train_loss: float
     statistics: p.NDArrays = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    # The keys of ``metrics`` the method's server step reads. The others are diagnostics (losses,
+    # flags) that depend on the training records: with differential privacy on, a reply carries
+    # only these, each a private release, made of one, or of the site's test split.
+    for_server: tuple[str, ...] = ()
 
 
 class ClientRoutine:

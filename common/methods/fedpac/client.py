@@ -71,4 +71,5 @@ class Routine(ClientRoutine):
         metrics["head-loss"] = head_loss
         if self.method.align:
             metrics["align-loss"] = align
-        return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics)
+        return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics,
+                            for_server=(p.V,) if before is not None else ())

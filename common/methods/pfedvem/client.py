@@ -83,4 +83,6 @@ class Routine(ClientRoutine):
             train_loss=train_loss,
             metrics={"head-loss": estep.train_loss, p.RHO: rho, "posterior-restored": int(estep.restored),
                      p.LOCAL_LOSS: local_loss, p.LOCAL_ACCURACY: local_accuracy},
+            # rho is made of the private posterior, the accuracy of the test split
+            for_server=(p.RHO, p.LOCAL_ACCURACY),
         )
