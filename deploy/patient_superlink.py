@@ -21,6 +21,9 @@ objects; the ServerApp's, for a reply's) wait up to ``FEDPAC_SUPERLINK_OBJECT_WA
 
     python deploy/patient_superlink.py --ssl-ca-certfile ... # flower-superlink's arguments
 
+Its Fleet API takes from a SuperNode only that node's own replies to the server
+(``deploy/fleet_guard.py``): a node cannot push instructions to another node, nor answer in its name.
+
 ``deploy/superlink.sh`` and the compose cluster start the SuperLink this way. A test checks that
 Flower's pragma list still has the entry this replaces.
 """
@@ -42,6 +45,7 @@ from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState  # noqa: 
 from flwr.superlink.cli.flower_superlink import flower_superlink  # noqa: E402
 from flwr.superlink.servicer.runtime import runtime_handlers  # noqa: E402
 
+import fleet_guard  # noqa: E402
 from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment  # noqa: E402
 
 
@@ -75,6 +79,7 @@ def _has_messages(response) -> bool:  # noqa: ANN001  # a PullMessagesResponse o
 
 
 def main() -> None:
+    fleet_guard.install()
     long_poll_messages(wait_from_environment("FEDPAC_SUPERLINK_PULL_WAIT", 2.0))
     long_poll_objects(wait_from_environment("FEDPAC_SUPERLINK_OBJECT_WAIT", 2.0))
     raw = os.environ.get("FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS", "60000")
