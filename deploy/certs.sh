@@ -17,11 +17,22 @@
 #       the machine) and DIR/supernode-<i>.pub (the one file to send to the operator), and the
 #       key's fingerprint, for the operator to compare over a second channel before registering
 #       it. An existing pair is kept (its fingerprint is printed again).
+#   deploy/certs.sh register --name NAME [--keys DIR/keys] KEY.pub FEDERATION
+#       registers one public key a site sent with the running SuperLink that FEDERATION names in
+#       $FLWR_HOME/config.toml (only registered SuperNodes may connect), under the name the
+#       operator gives it: the name decides the site's partition (supernode-<i> serves partition
+#       i), so it is never taken from the file, which the site named. --keys DIR also files the
+#       key as DIR/NAME.pub. A key the SuperLink knows already is reported and skipped.
 #   deploy/certs.sh register --keys DIR/keys FEDERATION [--clients N]
-#       registers every supernode-<i>.pub (or the first N) with the running SuperLink that
-#       FEDERATION names in $FLWR_HOME/config.toml: only registered SuperNodes may connect.
-#       Keys the SuperLink knows already are reported and skipped, so it can run again whenever
-#       a site sends its key.
+#       registers every supernode-<i>.pub in DIR (or the first N) under its file name, for the
+#       key pairs made on this machine (by create, or site-key --out DIR): a .pub whose private
+#       key is not beside it is a file a site sent, and is refused here (register it with
+#       --name). Keys the SuperLink knows already are reported and skipped, so it can run again.
+#   Either form refuses a name that the SuperLink has registered already under another key (not
+#   revoked): Flower does not keep names unique, and two keys under one name would make every
+#   run refuse both. To replace a site's key, revoke the old one first (flwr supernode
+#   unregister NODE_ID FEDERATION). The check reads the SuperLink's nodes with the Python that
+#   flwr runs in (PYTHON=... to choose another).
 #   deploy/certs.sh connect FEDERATION --address HOST:PORT --ca DIR/ca.crt
 #       writes the connection [superlink.FEDERATION] into $FLWR_HOME/config.toml (default
 #       ~/.flwr/config.toml): replaced when it is there, added when not; nothing else changes.
@@ -230,32 +241,170 @@ create() {
   fi
 }
 
+# The Python the flwr CLI runs in (it has flwr's Control API client), or $PYTHON
+flwr_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  local flwr first
+  flwr="$(command -v flwr)" || die "flwr not found: install the project's server extra (pip install '.[server]')"
+  first="$(head -n 1 "$flwr")"
+  if [[ "$first" == '#!'* ]] && [ -x "${first#\#!}" ]; then echo "${first#\#!}"; else echo python3; fi
+}
+
+# Every node the SuperLink of federation $1 has registered, one a line: node id, status, name
+# ("-" for none), its key's fingerprint as ssh-keygen -lf prints it. `flwr supernode ls` shows
+# neither names nor keys, so this asks the Control API through flwr's own client.
+registered_nodes() {
+  "$(flwr_python)" - "$1" <<'PY'
+import base64
+import hashlib
+import sys
+
+try:
+    from cryptography.hazmat.primitives import serialization
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.cli.utils import init_http_client_from_connection
+    from flwr.proto.control_pb2 import ListNodesRequest  # pylint: disable=no-name-in-module
+except ImportError as err:
+    sys.exit(f"certs.sh: cannot import flwr's CLI ({err}): set PYTHON to the Python flwr is installed in")
+
+
+def fingerprint(pem: bytes) -> str:
+    try:
+        key = serialization.load_pem_public_key(pem)
+        wire = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).split()[1]
+    except (ValueError, TypeError):
+        return "-"
+    return "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(wire)).digest()).decode().rstrip("=")
+
+
+try:
+    client = init_http_client_from_connection(read_superlink_connection(sys.argv[1]))
+    try:
+        nodes = client.ListNodes(ListNodesRequest()).nodes_info
+    finally:
+        client.close()
+except Exception as err:  # pylint: disable=broad-except
+    sys.exit(f"certs.sh: cannot list the SuperLink's registered nodes: {err}")
+for node in nodes:
+    name = " ".join(node.name.split()) or "-"
+    print(node.node_id, node.status, name, fingerprint(node.public_key), sep="\t")
+PY
+}
+
+# The fingerprint of public key file $1 (as ssh-keygen -lf prints it), or die
+key_fingerprint() {
+  local printed
+  printed="$(ssh-keygen -lf "$1" 2>/dev/null)" || die "$1 is not a public key file (ssh-keygen -lf cannot read it)"
+  awk '{print $2}' <<<"$printed"
+}
+
+# Register public key file $1 under name $2 with federation $3, whose registered nodes are in
+# the file $4 (a line is added for the new node). Prints what it did; returns 1 (after saying
+# why) when the name belongs to another key. A key the SuperLink knows is reported and skipped.
+register_key() {
+  local pub="$1" name="$2" federation="$3" nodes="$4" label="${5:-$(basename "$1")}"
+  local fp known holder said id status known_name held
+  fp="$(key_fingerprint "$pub")"
+  known="$(awk -F '\t' -v fp="$fp" '$4 == fp { print; exit }' "$nodes")"
+  if [ -n "$known" ]; then
+    IFS=$'\t' read -r id status known_name _ <<<"$known"
+    local note="registered as '$known_name', node $id"
+    [ "$known_name" = "$name" ] || note="$note; not registered again as '$name'"
+    [ "$status" = unregistered ] && note="revoked: a revoked key stays refused; that site makes a new pair"
+    echo "$label: already known to the SuperLink ($note)"
+    return 0
+  fi
+  holder="$(awk -F '\t' -v name="$name" '$3 == name && $2 != "unregistered" { print; exit }' "$nodes")"
+  if [ -n "$holder" ]; then
+    IFS=$'\t' read -r id _ _ held <<<"$holder"
+    echo "certs.sh: refused to register $pub ($fp) as '$name': that name is registered already," \
+         "under another key ($held, node $id). Two keys under one name would make every run refuse" \
+         "both. If this key replaces the old one, revoke that first (flwr supernode unregister $id" \
+         "$federation); otherwise give this site another name." >&2
+    return 1
+  fi
+  if said="$(flwr supernode register "$pub" "$federation" --name "$name" --format json 2>&1)"; then
+    id="$(grep -o '"node-id": *[0-9]*' <<<"$said" | grep -o '[0-9]*$' || true)"
+    printf '%s\t%s\t%s\t%s\n' "${id:-0}" registered "$name" "$fp" >> "$nodes"
+    echo "registered $label as '$name'"
+  elif [[ "$said" == *"already in use"* ]]; then  # registered since the list was read
+    echo "$label: already known to the SuperLink (registered, or revoked: a revoked key stays" \
+         "refused; that site makes a new pair)"
+  else
+    die "flwr supernode register $pub failed: $said"
+  fi
+}
+
 register() {
-  local keys="" federation="" clients=""
+  local keys="" clients="" name="" args=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --keys) keys="${2:-}"; shift 2 || usage ;;
       --clients) clients="${2:-}"; shift 2 || usage ;;
+      --name) name="${2:-}"; shift 2 || usage ;;
       -*) usage ;;
-      *) federation="$1"; shift ;;
+      *) args+=("$1"); shift ;;
     esac
   done
-  [ -d "$keys" ] && [ -n "$federation" ] || usage
-  local pub i=0
-  for pub in $(ls "$keys"/supernode-*.pub | sort -V); do
-    if [ -n "$clients" ] && [ "$i" -ge "$clients" ]; then break; fi
-    local said
-    if said="$(flwr supernode register "$pub" "$federation" --name "$(basename "$pub" .pub)" 2>&1)"; then
-      echo "registered $(basename "$pub")"
-    elif [[ "$said" == *"already in use"* ]]; then
-      # re-running after a new site sent its key: the earlier ones are known already
-      echo "$(basename "$pub"): already known to the SuperLink (registered, or revoked: a revoked" \
-           "key stays refused; that site makes a new pair)"
-    else
-      die "flwr supernode register $pub failed: $said"
+  command -v ssh-keygen >/dev/null || die "ssh-keygen not found: install it (e.g. apt-get install openssh-client)"
+  case ${#args[@]} in
+    2) [ -n "$name" ] || die "register ${args[0]}: a key a site sent is registered under the name you give it," \
+                            "not its file's: certs.sh register --name supernode-<i> ${args[0]} ${args[1]}"
+       [ -z "$clients" ] || die "register: --clients is for --keys DIR without a key file"
+       register_sent "${args[0]}" "$name" "${args[1]}" "$keys" ;;
+    1) [ -z "$name" ] || die "register --name $name: name the key file too: certs.sh register --name $name KEY.pub ${args[0]}"
+       [ -d "$keys" ] || die "register: --keys DIR (the key pairs made on this machine), or --name NAME KEY.pub"
+       [ -z "$clients" ] || [[ "$clients" =~ ^[0-9]+$ ]] || die "register: --clients N takes a number"
+       register_made_here "$keys" "${args[0]}" "$clients" ;;
+    *) usage ;;
+  esac
+}
+
+# register --name NAME [--keys DIR] KEY.pub FEDERATION
+register_sent() {
+  local pub="$1" name="$2" federation="$3" keys="$4" nodes filed=""
+  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "--name $name: use letters, digits, '-' and '_' (e.g. supernode-3)"
+  [ -f "$pub" ] || die "$pub: no such file"
+  if [ -n "$keys" ]; then
+    [ -d "$keys" ] || die "--keys $keys: no such folder"
+    filed="$keys/$name.pub"
+    if [ -f "$filed" ] && [ "$(key_fingerprint "$filed")" != "$(key_fingerprint "$pub")" ]; then
+      die "$filed holds another key ($(key_fingerprint "$filed")) than $pub: nothing was registered"
     fi
+  fi
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  nodes="$work/nodes"
+  registered_nodes "$federation" > "$nodes" || exit 1
+  register_key "$pub" "$name" "$federation" "$nodes" "$pub" || exit 1
+  if [ -n "$filed" ] && [ ! -f "$filed" ]; then
+    cp "$pub" "$filed" && chmod 644 "$filed" && echo "filed as $filed"
+  fi
+}
+
+# register --keys DIR FEDERATION [--clients N]: the pairs made on this machine, by file name
+register_made_here() {
+  local keys="$1" federation="$2" clients="$3" nodes pub i=0 refused=0 pubs
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  nodes="$work/nodes"
+  registered_nodes "$federation" > "$nodes" || exit 1
+  mapfile -t pubs < <(find "$keys" -maxdepth 1 -name 'supernode-*.pub' -printf '%f\n' | sort -V)
+  [ ${#pubs[@]} -gt 0 ] || die "no supernode-<i>.pub in $keys"
+  for pub in "${pubs[@]}"; do
+    if [ -n "$clients" ] && [ "$i" -ge "$clients" ]; then break; fi
     i=$((i + 1))
+    pub="$keys/$pub"
+    if [ ! -f "${pub%.pub}" ] && ! awk -F '\t' -v fp="$(key_fingerprint "$pub")" '$4 == fp { found = 1 } END { exit !found }' "$nodes"; then
+      echo "certs.sh: $(basename "$pub") has no private key beside it: it is a file a site sent, and its" \
+           "name is the site's word. Register it under the name you give it: certs.sh register" \
+           "--name NAME $pub $federation" >&2
+      refused=1
+      continue
+    fi
+    register_key "$pub" "$(basename "$pub" .pub)" "$federation" "$nodes" || refused=1
   done
+  [ "$refused" = 0 ] || die "some keys were not registered (above)"
 }
 
 site_key() {

@@ -5,11 +5,17 @@ A node is screened by the identity the SuperLink vouches for (``common.sites``) 
 anything, then asked for its partition (a query message); its answer binds it where its identity
 agrees. :class:`SiteBinding` holds the binding and is the strategy's base
 (``server_app.strategy.PersonalizedStrategy``).
+
+With identities (a deployment), one site cannot stop a run: a node whose pre-flight answer is
+malformed, names another federation size, or does not come before the timeout is excluded from
+the run and logged, and the run starts with the others. Where claims are all there is (the
+simulation), nobody can tell which node is wrong, so any problem stops the pre-flight.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -17,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from common import protocol as p
-from common.sites import Identity, SiteRegistry, fingerprint
+from common.sites import Identity, SiteRegistry, federation_size, fingerprint
 from server_app.replies import (
     ClientInfo,
     InvalidReply,
@@ -32,10 +38,14 @@ from server_app.replies import (
 DISCOVERY_ATTEMPT = 120.0
 
 
-def _most_common(values: list[int]) -> int:
-    """The value most of ``values`` share (the larger one on a tie, so the choice does not
-    depend on the order replies arrived in)."""
-    return max(set(values), key=lambda v: (values.count(v), v))
+@dataclass
+class Exclusions:
+    """The nodes one discovery left out, and why: ``sites`` for their answer, their silence or a
+    partition two keys map to (what can leave a run too few nodes to start), ``refused`` for
+    their identity alone (strangers, wrong claims)."""
+
+    sites: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 class SiteBinding:
@@ -46,7 +56,8 @@ class SiteBinding:
         self.sites = sites or SiteRegistry(trusted_claims=True)
         self.min_available_nodes = min_available_nodes
         self.max_samples_per_client = max_samples_per_client
-        self.num_partitions: int | None = None  # as the clients report it at discovery
+        # the operator's (partition-map), else as the clients report it at discovery
+        self.num_partitions: int | None = self.sites.declared_size()
         self.discovery_timeout: float | None = None  # set once discover() has run
 
     @property
@@ -92,85 +103,141 @@ class SiteBinding:
             return {}
         return {node.node_id: Identity(node.name, fingerprint(node.public_key)) for node in grid.get_nodes()}
 
-    def _refuse(self, node_id: int, reason: str) -> None:
+    def _refuse(self, node_id: int, reason: str, excluded: Exclusions | None = None) -> None:
         log(WARNING, "Refused node %d: %s. It is sent nothing.", node_id, reason)
+        if excluded is not None:
+            excluded.refused[node_id] = reason
+
+    def _exclude(self, node_id: int, reason: str, excluded: Exclusions) -> None:
+        """Leave a node of the federation out of the run for its pre-flight answer (or silence):
+        one faulty or hostile site must not stop everyone's run."""
+        log(WARNING, "Excluded node %d from this run: %s. It is sent nothing more; once the site is fixed, "
+            "resume the run to include it.", node_id, reason)
+        self.sites.exclude(node_id, reason)
+        excluded.sites[node_id] = reason
 
     def discover(self, grid: Grid, timeout: float, strict: bool = True) -> dict[int, int]:
         """Bind connected nodes of unknown partition to one: screen each by its registered
         identity (``common.sites``), then ask the others for their partition (a query message).
 
-        Before round 1 (``strict``): every node is screened and asked, and a client that cannot
-        load its data becomes a clear error before any training; a node that is refused (its
-        identity serves no partition, or another than it claims) is logged and left out, and
-        the pre-flight waits for ``min_available_nodes`` nodes that are not refused. During
-        the run: a node that joined late or restarted is bound before it is sent anything, so
-        it gets its own personalized head back; problems are only logged.
+        Before round 1 (``strict``): every node is screened and asked; a node that is refused
+        (its identity serves no partition, or another than it claims, or a partition two keys
+        map to) is logged and left out, and the pre-flight waits for ``min_available_nodes``
+        nodes that are not refused. With identities, a node whose answer is malformed, names
+        another federation size, or does not come within ``timeout`` is excluded from the run
+        and logged; the run starts unless that leaves fewer than ``min_available_nodes`` bound,
+        and then the error lists every node left out and why. Where claims are believed (the
+        simulation), any such problem stops the pre-flight: nothing tells the right node from
+        the wrong one. During the run: a node that joined late or restarted is bound before it
+        is sent anything, so it gets its own personalized head back; problems are only logged.
         """
         self.discovery_timeout = timeout
+        excluded = Exclusions()
+        exclusive = strict and not self.sites.trusted_claims  # a faulty node is left out, not fatal
         while True:
-            screened, identities, refused = self._screen(grid)
+            screened, identities, refused = self._screen(grid, excluded)
+            if exclusive:
+                self._require_enough(excluded, len(self._candidates(grid)))
             nodes = [n for n in screened if n not in self.node_partition]
             if not nodes:
                 if strict and refused:  # the refused counted towards min_available_nodes
                     continue
-                return dict(self.node_partition)
+                break
             replies, gone = self._query(grid, nodes, timeout)
-            problems, refused_answers = self._bind_answers(grid, replies, identities, strict)
+            problems, refused_answers = self._bind_answers(grid, replies, identities, strict, excluded)
             refused = refused or refused_answers
             for node in gone:  # not a client problem: the federation goes on with the nodes it has
                 log(WARNING, "discovery: node %d went offline before it answered; left out", node)
-            missing = len(nodes) - len(replies) - len(gone)
-            if missing:
-                problems.append(f"{missing} node(s) did not answer within {timeout:.0f}s")
+            answered = {node for node, _ in replies}
+            silent = [node for node in nodes if node not in answered and node not in gone]
+            if silent and exclusive:
+                for node in silent:
+                    self._exclude(node, f"it did not answer the pre-flight within {timeout:.0f}s", excluded)
+                refused = True
+            elif silent:
+                problems.append(f"{len(silent)} node(s) did not answer within {timeout:.0f}s")
             if problems and strict:
                 raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
             for problem in problems:
                 log(WARNING, "discovery: %s", problem)
+            if exclusive:  # not waiting for other nodes when those connected cannot be enough
+                self._require_enough(excluded, len(self._candidates(grid)))
             # a refused node counted towards min_available_nodes: wait for the ones that remain
             if not (strict and refused):
-                return dict(self.node_partition)
+                break
+        if exclusive:
+            self._require_enough(excluded, len([n for n in grid.get_node_ids() if n in self.node_partition]))
+        return dict(self.node_partition)
 
-    def _screen(self, grid: Grid) -> tuple[list[int], dict[int, Identity], bool]:
+    def _require_enough(self, excluded: Exclusions, remaining: int) -> None:
+        """Stop the run when the pre-flight excluded a site and fewer than ``min_available_nodes``
+        connected nodes ``remaining`` may serve a partition, naming every node left out and why.
+        (Too few because nodes never connected is the patience of :meth:`_wait_for_nodes`: the
+        run goes on with those there, as without identities.)"""
+        if not excluded.sites or remaining >= self.min_available_nodes:
+            return
+        left_out = {**excluded.refused, **excluded.sites}
+        raise RuntimeError(
+            f"clients are not ready to train: {remaining} node(s) left to serve a partition, min-available-clients "
+            f"is {self.min_available_nodes}; left out:\n  "
+            + "\n  ".join(f"node {node}: {why}" for node, why in sorted(left_out.items())))
+
+    def _screen(self, grid: Grid, excluded: Exclusions) -> tuple[list[int], dict[int, Identity], bool]:
         """The connected nodes whose identity may serve a partition, the identities read, and
         whether a node was refused: the others are refused here, before they are sent anything
         at all (the query included)."""
         nodes = self._wait_for_nodes(grid)
         identities = self._identities(grid)
-        kept, refused = [], False
+        refused = self._note_keys(identities, excluded)
+        kept = []
         for node in nodes:
+            if node in self.sites.refused and self.sites.refused[node].final:  # by _note_keys just now
+                continue
             if node not in self.node_partition and not self.sites.trusted_claims:
                 if node not in identities:  # connected after the list was read: next time
                     continue
                 refusal = self.sites.screen(node, identities[node], self.num_partitions)
                 if refusal is not None:
-                    self._refuse(node, refusal.reason)
+                    self._refuse(node, refusal.reason, excluded)
                     refused = True
                     continue
             kept.append(node)
         return kept, identities, refused
 
+    def _note_keys(self, identities: dict[int, Identity], excluded: Exclusions) -> bool:
+        """Refuse, loudly, every node of a partition that two registered keys map to in this run
+        (``SiteRegistry.note_keys``); returns whether a node was refused."""
+        contested, refusals = self.sites.note_keys(identities)
+        for pid in contested:
+            log(WARNING, "Partition %d is registered under more than one key: %s. Every node of it is refused "
+                "for the rest of this run: unregister the wrong key (flwr supernode unregister NODE_ID), "
+                "then resume the run.", pid, self.sites.describe_keys(pid))
+        for node, refusal in refusals.items():
+            self._refuse(node, refusal.reason)
+            excluded.sites[node] = refusal.reason
+        return bool(refusals)
+
     def _bind_answers(self, grid: Grid, replies: list[tuple[int, Message]], identities: dict[int, Identity],
-                      strict: bool) -> tuple[list[str], bool]:
+                      strict: bool, excluded: Exclusions) -> tuple[list[str], bool]:
         """Bind each answering node to the partition it claims, where its identity (as
         :meth:`_screen` read it) agrees; returns the problems (misconfigured clients) and
-        whether a node was refused."""
+        whether a node was refused or excluded."""
+        exclusive = strict and not self.sites.trusted_claims
         problems: list[str] = []
         answers: list[tuple[int, ClientInfo]] = []
+        refused = False
         for node, reply in replies:
             try:
                 answers.append((node, parse_query_reply(reply, self.max_samples_per_client)))
             except InvalidReply as err:
-                problems.append(f"node {node}: {err}")
+                if exclusive:
+                    self._exclude(node, f"its pre-flight answer is invalid: {err}", excluded)
+                    refused = True
+                else:
+                    problems.append(f"node {node}: {err}")
         if self.num_partitions is None and answers:
-            # Every node partitions the same dataset into the same J parts; the most common
-            # answer among the nodes whose identity backs their claim is the federation's, a
-            # node that disagrees is misconfigured.
-            backed = [info.num_partitions for node, info in answers
-                      if self.sites.backs(identities.get(node), info.partition_id)]
-            if backed:
-                self.num_partitions = _most_common(backed)
+            self._size_from(answers, identities)
         connected = set(grid.get_node_ids())
-        refused = False
         for node, info in sorted(answers):
             identity = identities.get(node, Identity())  # every asked node's, unless claims are believed
             # screened again: the federation's size may only now be known. Who a node is comes
@@ -179,20 +246,42 @@ class SiteBinding:
             refusal = self.sites.screen(node, identity, self.num_partitions)
             if refusal is None and self.sites.backs(identity, info.partition_id):
                 if info.num_partitions != self.num_partitions:
-                    problems.append(f"node {node}: num-partitions {info.num_partitions}, the federation's "
-                                    f"is {self.num_partitions}")
+                    problem = (f"num-partitions {info.num_partitions}, the federation's is {self.num_partitions} "
+                               f"({self._size_source()})")
+                    if exclusive:
+                        self._exclude(node, problem, excluded)
+                        refused = True
+                    else:
+                        problems.append(f"node {node}: {problem}")
                     continue
             refusal = refusal or self.sites.bind(node, info.partition_id, identity, connected)
             if refusal is not None:
                 if self.sites.trusted_claims and strict:  # no identity to tell who is right: stop
                     problems.append(f"node {node}: {refusal.reason}")
                 else:
-                    self._refuse(node, refusal.reason)
+                    self._refuse(node, refusal.reason, excluded)
                 refused = True
                 continue
             log(INFO, "node %d: partition %d/%d, %d training and %d test samples", node, info.partition_id,
                 info.num_partitions, info.num_examples, info.test_examples)
         return problems, refused
+
+    def _size_from(self, answers: list[tuple[int, ClientInfo]], identities: dict[int, Identity]) -> None:
+        """Every node partitions the same dataset into the same J parts: where the operator did
+        not say J (``partition-map``), it is what most of the nodes whose identity backs their
+        claim answer (``common.sites.federation_size``); a node that disagrees is misconfigured."""
+        backed = [info.num_partitions for node, info in answers
+                  if self.sites.backs(identities.get(node), info.partition_id)]
+        if not backed:
+            return
+        self.num_partitions = federation_size(backed)
+        if len(set(backed)) > 1:
+            log(WARNING, "discovery: the nodes disagree on num-partitions (%s): the federation's is %d, %s",
+                ", ".join(f"{n}: {backed.count(n)} node(s)" for n in sorted(set(backed))), self.num_partitions,
+                "the most common answer, the smaller on a tie (partition-map sets it: name the sites there)")
+
+    def _size_source(self) -> str:
+        return "from partition-map" if self.sites.declared_size() is not None else "as most nodes answer"
 
     @staticmethod
     def _query(grid: Grid, nodes: list[int], timeout: float) -> tuple[list[tuple[int, Message]], list[int]]:

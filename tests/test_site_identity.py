@@ -4,6 +4,8 @@ started with deploy/superlink.sh and deploy/supernode.sh, driven by `flwr run`.
 * Enrolled rogue nodes (their keys registered, so the SuperLink lets them in) claim site 0's
   partition, one at the pre-flight and one in the middle of the run: they receive nothing, save
   nothing, and the run ends with the same final model as without them, bit for bit.
+* One of them, over its own signed connection, pushes an instruction to site 0's node in the
+  server's name mid-run: the SuperLink refuses and logs it, and site 0 never receives it.
 * A revoked node (`flwr supernode unregister`) is refused from its next request on; the run
   goes on with the others.
 * The Control API, which runs code at every site, listens on this host only unless told not to.
@@ -14,10 +16,25 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+from flwr.app import ConfigRecord, Message, MessageType, Metadata, RecordDict
+from flwr.app.message import remove_content_from_message
+from flwr.client.grpc_rere_client.node_auth_client_interceptor import NodeAuthClientInterceptor
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.serde import message_to_proto
+from flwr.proto.fleet_pb2 import PushMessagesRequest  # pylint: disable=E0611
+from flwr.proto.fleet_pb2_grpc import FleetStub  # pylint: disable=E0611
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.supercore.error import ApiErrorCode, FlowerError
+from flwr.supercore.grpc import create_channel
+from flwr.supercore.inflatable.inflatable_object import get_object_tree
+from flwr.supercore.interceptors import RuntimeVersionClientInterceptor
 
 from tests.deployment import (
     BIN,
@@ -61,6 +78,33 @@ def _final_state(out: Path) -> dict[str, np.ndarray]:
         return {key: saved[key] for key in saved.files}
 
 
+def _push_instruction(federation: Federation, key: int, node_id: int, run_id: int,
+                      victim: int) -> tuple[str, FlowerError | None]:
+    """Enrolled node ``node_id`` (key ``key``) pushes an evaluate instruction to node ``victim`` in
+    the SuperLink's name, over a channel made as Flower's SuperNode makes its own (TLS, every
+    request signed with the node's registered key by Flower's NodeAuthClientInterceptor): the
+    forged message's id and the SuperLink's refusal (None if it took the push)."""
+    private_key = load_ssh_private_key((federation.certs / "keys" / f"supernode-{key}").read_bytes(), None)
+    assert isinstance(private_key, ec.EllipticCurvePrivateKey)  # as Flower's SuperNode loads it
+    channel = create_channel(federation.fleet_address, insecure=False,
+                             root_certificates=(federation.certs / "ca.crt").read_bytes(),
+                             interceptors=[RuntimeVersionClientInterceptor(component_name="SuperNode"),
+                                           NodeAuthClientInterceptor(private_key, private_key.public_key())])
+    metadata = Metadata(run_id, "", SUPERLINK_NODE_ID, victim, "", "", time.time(), 600, MessageType.EVALUATE)
+    forged = Message(RecordDict({"config": ConfigRecord({"forged": True})}), metadata=metadata)  # type: ignore[call-overload]
+    forged.metadata.__dict__["_message_id"] = forged.object_id
+    request = PushMessagesRequest(node=Node(node_id=node_id),
+                                  messages_list=[message_to_proto(remove_content_from_message(forged))],
+                                  message_object_trees=[get_object_tree(forged)])
+    try:
+        FleetStub(channel).PushMessages(request, timeout=30)
+    except Exception as refused:  # noqa: BLE001  # a grpc.RpcError, its details Flower's error
+        return forged.metadata.message_id, FlowerError.from_json(refused.details())  # type: ignore[attr-defined]
+    finally:
+        channel.close()
+    return forged.metadata.message_id, None
+
+
 def _trained_partitions(out: Path) -> dict[int, set[str]]:
     rows = csv.DictReader((run_dir(out) / "clients.csv").open())
     trained: dict[int, set[str]] = {}
@@ -83,7 +127,14 @@ def test_enrolled_rogue_nodes_claiming_site_0_get_nothing_and_change_nothing(fed
     # (b) a second one joining in the middle of the run, claiming partition 0 too
     wait_for_rounds(attacked, 2)
     federation.start_node(0, key=ROGUES[1], label="rogue-mid", model_dir=tmp_path / "rogue-mid", restarts=0)
+    # (c) the first, enrolled, sends site 0's node an instruction of its own in the server's name
+    victim, attacker = federation.node_ids[0], federation.node_ids[ROGUES[0]]
+    forged, refusal = _push_instruction(federation, ROGUES[0], attacker, int(run_id), victim)
+    assert refusal is not None and refusal.code == ApiErrorCode.NO_PERMISSIONS, refusal
     assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+    assert (f"Refused PushMessages from node {attacker}: it pushed an instruction ('evaluate', from node "
+            f"{SUPERLINK_NODE_ID} to node {victim})") in federation.read_log("superlink")
+    assert forged not in federation.read_log("supernode-0")
     log = federation.log(run_id)
 
     # both were refused by identity, named in the ServerApp's log
@@ -143,6 +194,25 @@ def test_a_revoked_node_is_refused_from_its_next_request_and_the_run_goes_on(fed
     after = {node["node-id"]: node["status"] for node in federation.nodes()}
     assert after[str(federation.node_ids[1])] == "unregistered"
     assert [after[node] for node in after.keys() - status.keys()] == ["registered"], (status, after)
+    # A key a site sent is registered under the operator's name, never its file's, and a name
+    # another key holds is refused: a rogue's key sent as supernode-0.pub is not registered.
+    # supernode-1's key was revoked: its name is free for that site's new key.
+    sent = tmp_path / "sent"
+    for name in ("supernode-0", "supernode-1"):
+        subprocess.run(["bash", str(CERTS), "site-key", "--out", str(sent / name), "--name", name], check=True,
+                       capture_output=True)
+    register = [(str(sent / "supernode-0" / "supernode-0.pub"), FEDERATION),
+                ("--name", "supernode-0", str(sent / "supernode-0" / "supernode-0.pub"), FEDERATION),
+                ("--name", "supernode-1", str(sent / "supernode-1" / "supernode-1.pub"), FEDERATION)]
+    unnamed, taken, replaced = (subprocess.run(["bash", str(CERTS), "register", *args], capture_output=True, text=True,
+                                               timeout=300, env={**federation.env,
+                                                                 "PATH": f"{BIN}:{os.environ['PATH']}"})
+                                for args in register)
+    assert unnamed.returncode == 1 and "certs.sh register --name supernode-<i>" in unnamed.stderr, unnamed.stderr
+    assert taken.returncode == 1 and "'supernode-0': that name is registered already" in taken.stderr, taken.stderr
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    added = [node["status"] for node in federation.nodes() if node["node-id"] not in after]
+    assert added == ["registered"]  # site 1's new key, and nothing else
 
 
 def test_the_control_api_listens_on_this_host_only_by_default(tmp_path):

@@ -2,11 +2,14 @@
 own claim: the pure rules of ``common.sites`` and the strategy that applies them."""
 
 import logging
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from flwr.app import ConfigRecord
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
 
 from common import protocol as p
@@ -14,12 +17,13 @@ from common.config import ConfigError, parse_run_config
 from common.methods import METHODS
 from common.methods.server import server_part
 from common.model import split_state
-from common.sites import Identity, PartitionMap, SiteRegistry, fingerprint
+from common.sites import Identity, PartitionMap, SiteRegistry, federation_size, fingerprint
 from federation import InProcessGrid
 from server_app.app import initial_model
 from server_app.strategy import PersonalizedStrategy
 
 RUN_CONFIG = {"samples-per-client": 60, "test-samples-per-client": 30, "local-epochs": 1, "batch-size": 20}
+CERTS = Path(__file__).resolve().parents[1] / "deploy" / "certs.sh"
 
 
 def _key_pair(directory, name):
@@ -202,3 +206,130 @@ def test_the_preflight_waits_for_enough_nodes_that_are_not_refused(caplog):
     assert "Refused node 999" in caplog.text
     assert "only 2 of the 3 required nodes connected" in caplog.text
     assert sorted(bound.values()) == [0, 1]
+
+
+# ---------------------------------------------------------------- one partition, one key
+
+
+def _pem() -> bytes:
+    """A fresh P-256 public key, PEM, as the SuperLink stores a registered one."""
+    public = ec.generate_private_key(ec.SECP256R1()).public_key()
+    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def test_a_partition_two_keys_map_to_stays_refused_for_both_for_the_rest_of_the_run():
+    """A second key registered under a site's name makes its partition contested: its node and the
+    other key's are both refused, the partition's bound node too while it is offline, and so is
+    every node of it afterwards, whoever leaves. The same key again is no second key."""
+    site, rogue, third = (Identity("supernode-0", "SHA256:" + c * 43) for c in "ABC")
+    sites = SiteRegistry()
+    assert sites.note_keys({1: site}) == ([], {})
+    assert sites.bind(1, 0, site, connected={1}) is None
+    # the same key under a new node id, its old one gone (a restart): no second key, today's rule
+    assert sites.note_keys({2: site}) == ([], {}) and sites.bind(2, 0, site, connected={2}) is None
+    # the rogue connects while the site is offline: it does not inherit the partition
+    contested, refused = sites.note_keys({3: rogue})
+    assert contested == [0] and sorted(refused) == [2, 3] and sites.node_partition == {}
+    for node in (2, 3):
+        reason = sites.refused[node].reason
+        assert sites.refused[node].final and site.fingerprint in reason and rogue.fingerprint in reason
+    # the rogue gone, the site back: still refused; a third key too; nothing binds partition 0
+    assert sites.note_keys({2: site, 4: third}) == ([], {4: sites.refused[4]})
+    assert "partition 0 has seen 3 keys" in sites.refused[4].reason
+    assert "partition 0 has seen 3 keys" in sites.screen(5, Identity("supernode-0", site.fingerprint), 3).reason
+    assert sites.bind(6, 0, site, connected={6}) is not None and sites.node_partition == {}
+    # other partitions are not touched
+    assert sites.screen(7, Identity("supernode-1", "SHA256:" + "D" * 43), 3) is None
+
+
+def test_the_federations_size_is_the_most_common_backed_claim_and_the_smaller_on_a_tie():
+    assert federation_size([3, 3, 7]) == 3
+    assert federation_size([2, 2, 4, 4]) == 2  # as many claims of 4 as of 2: not the larger
+    assert federation_size([3, 2]) == 2
+    assert PartitionMap.parse("a=0, b=4").size() == 5 and PartitionMap.parse("").size() is None
+    assert SiteRegistry(PartitionMap.parse("a=0, b=1")).declared_size() == 2
+    assert SiteRegistry(PartitionMap.parse("a=0, b=1"), trusted_claims=True).declared_size() is None
+
+
+def _keyed_grid(num_partitions: int) -> tuple[KeyedGrid, dict[int, int]]:
+    """``num_partitions`` sites, each with a key of its own; and each partition's node."""
+    grid = KeyedGrid(RUN_CONFIG, num_partitions, keys={pid: _pem() for pid in range(num_partitions)})
+    return grid, {pid: node for node, pid in grid.partition_of_node.items()}
+
+
+def _add_rogue(grid: KeyedGrid, node_id: int, name: str, partition: int) -> None:
+    """Node ``node_id``: its own key, registered under ``name``, claiming ``partition`` (whose
+    data it loads), with a Context of its own."""
+    grid.contexts[node_id] = Context(run_id=7, node_id=node_id, state=RecordDict(), run_config=dict(RUN_CONFIG),
+                                     node_config={"partition-id": partition,
+                                                  "num-partitions": len(set(grid.partition_of_node.values()))})
+    grid.partition_of_node[node_id] = partition
+    grid.names[node_id] = name
+    grid.keys[node_id] = _pem()
+
+
+def _trainers(strategy, grid, server_round=1) -> set[int]:
+    messages = strategy.configure_train(server_round, p.to_record(strategy.extractor), ConfigRecord(), grid)
+    return {m.metadata.dst_node_id for m in messages}
+
+
+# node ids are uint64: the honest ones are above 2**63, the rogue below all of them or above
+@pytest.mark.parametrize("rogue_id", [2**62, 2**64 - 1], ids=["rogue-first", "rogue-last"])
+def test_a_rogue_registered_under_a_sites_name_leaves_its_partition_to_nobody_whatever_the_node_ids(
+        rogue_id, caplog):
+    """A rogue sent its own key as supernode-0.pub and was registered as supernode-0: at the
+    pre-flight both it and site 0 are refused, loudly, with both keys' fingerprints; the smaller
+    node id does not win. The other sites train."""
+    grid, site = _keyed_grid(3)
+    _add_rogue(grid, rogue_id, "supernode-0", 0)
+    strategy = _strategy(min_available_nodes=2)
+    with caplog.at_level(logging.WARNING):
+        bound = strategy.discover(grid, timeout=60)
+    assert bound == {site[1]: 1, site[2]: 2}
+    assert "Partition 0 is registered under more than one key" in caplog.text
+    for node, key in ((site[0], grid.keys[0]), (rogue_id, grid.keys[rogue_id])):
+        assert f"Refused node {node}: partition 0 has seen 2 keys" in caplog.text
+        assert fingerprint(key) in caplog.text
+    assert _trainers(strategy, grid) == {site[1], site[2]}
+    # refused by their keys alone: neither was sent anything, not even the pre-flight's query
+    assert not {site[0], rogue_id} & {m.metadata.dst_node_id for m in grid.sent}
+
+
+@pytest.mark.parametrize("site_online", [True, False], ids=["site-online", "site-offline"])
+def test_a_rogue_under_a_sites_name_joining_mid_run_takes_nothing_even_once_the_site_is_offline(
+        site_online, caplog):
+    """Site 0 is bound; a rogue registered as supernode-0 connects in the middle of the run, while
+    site 0 is connected or once it is offline (what a patient rogue waits for): the rogue is
+    sent nothing, and partition 0 is served by nobody for the rest of the run, site 0 back or not."""
+    grid, site = _keyed_grid(3)
+    strategy = _strategy()
+    strategy.discover(grid, timeout=60)
+    assert _trainers(strategy, grid) == set(site.values())
+    site_0 = grid.contexts[site[0]]
+    if not site_online:
+        del grid.contexts[site[0]]
+    _add_rogue(grid, 2**62, "supernode-0", 0)
+    with caplog.at_level(logging.WARNING):
+        assert _trainers(strategy, grid, 2) == {site[1], site[2]}
+    grid.contexts[site[0]] = site_0
+    del grid.contexts[2**62]  # the rogue leaves: the partition stays refused
+    assert _trainers(strategy, grid, 3) == {site[1], site[2]}
+    assert 0 not in strategy.node_partition.values() and 2**62 not in {m.metadata.dst_node_id for m in grid.sent}
+    assert fingerprint(grid.keys[0]) in caplog.text and fingerprint(grid.keys[2**62]) in caplog.text
+
+
+@pytest.mark.parametrize("args, refusal", [
+    (("{pub}", "fed"), "a key a site sent is registered under the name you give it, not its file's: "
+                       "certs.sh register --name supernode-<i> {pub} fed"),
+    (("--name", "supernode-0", "fed"), "name the key file too: certs.sh register --name supernode-0 KEY.pub fed"),
+    (("--name", "site 0", "{pub}", "fed"), "--name site 0: use letters, digits, '-' and '_'"),
+], ids=["no-name", "no-file", "bad-name"])
+def test_registering_a_key_a_site_sent_takes_its_name_from_the_operator_not_the_file(tmp_path, args, refusal):
+    """``certs.sh register`` of one .pub (a file a site sent, named by the site) needs the name
+    from the operator; refused before it asks any SuperLink anything (no flwr on the PATH here).
+    The refusal of a name another key holds needs a SuperLink: tests/test_site_identity.py."""
+    _key_pair(tmp_path, "supernode-0")
+    pub = str(tmp_path / "supernode-0.pub")
+    result = subprocess.run(["bash", str(CERTS), "register", *(a.format(pub=pub) for a in args)], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 1 and refusal.format(pub=pub) in result.stderr, result.stderr
