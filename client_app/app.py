@@ -458,17 +458,24 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
     """A deployed site (node config ``model-dir``) keeps the model it just evaluated, its
     personalized model, after the last round and every ``save-model-every`` rounds. A site the
     last round's evaluation did not reach is sent that round's model after the loop, in an
-    evaluate message like any other, so it saves it here too (``PersonalizedStrategy.deliver``)."""
+    evaluate message like any other, so it saves it here too (``PersonalizedStrategy.deliver``).
+
+    The model goes into the run's own folder, named by Flower's run id (never by anything a
+    message says); only the last round's save makes it the site's current model, so that an
+    unfinished run, or one still under way, never replaces the model the site works with."""
     model_dir = str(context.node_config.get("model-dir", ""))
     every = cfg.save_model_every
-    if model_dir and (server_round == cfg.num_server_rounds or (every and server_round % every == 0)):
+    last_round = server_round == cfg.num_server_rounds
+    if model_dir and (last_round or (every and server_round % every == 0)):
         partition_id, _ = partition_of(context)
         mean, std = run_normalization(cfg, None if data_path_of(context) else load_dataset(cfg))
-        save_site_model(model_dir, model, SiteModel(
+        folder = save_site_model(model_dir, model, SiteModel(
             method=cfg.strategy, run_id=context.run_id, round=server_round, partition_id=partition_id,
             accuracy=accuracy, num_classes=cfg.num_classes, image_size=cfg.image_size,
             image_channels=cfg.image_channels, mean=[float(v) for v in mean], std=[float(v) for v in std],
-        ))
+        ), run_complete=last_round)
+        log(INFO, "partition %d, round %d: personalized model saved in %s%s", partition_id, server_round, folder,
+            " (now the site's current model)" if last_round else "")
 
 
 @app.evaluate()

@@ -20,6 +20,25 @@ What stays as in Flower:
 * a ClientApp that raises becomes an error reply, exactly as in ``flwr-clientapp``; a worker
   that dies (killed, out of memory) is replaced for the run's next task.
 
+What a task may not do is run forever: tasks run one at a time, so a task that hangs (a deadlock,
+a stuck device or network file system) would hold up every later task of the site. Each task has
+a deadline, by default its run's ``round-timeout`` (the run config's, which the worker reports as
+soon as it has pulled the task's input; until then, or when the run config has none, 3600 s, the
+app's default ``round-timeout``): the server stops waiting for a reply ``round-timeout`` seconds
+after it sent the message, which was before the task began here, so a task that runs longer is
+wasted work. ``--task-timeout SECONDS`` (env ``FEDPAC_TASK_TIMEOUT``) sets the site's own deadline
+for every task instead, 0 none. A task past its deadline has its worker killed with its whole
+process group (each worker leads one, so whatever its task started goes too), and the executor
+answers the task in the worker's place, as ``flwr-clientapp`` answers a ClientApp that raises: an
+error reply to the task's message (``CLIENT_APP_CRASHED``, the reason naming the deadline) and the
+task's status ``failed``, with the run's context left as it was. A worker killed before it
+reported the task's message leaves the task to Flower: the SuperNode answers it with
+``CLIENT_APP_CRASHED`` when the task's token expires (60 s without a heartbeat). The run's next
+task gets a new worker (the standby, started again at once). Since the workers lead their own
+process groups, a signal to the SuperNode's group (Ctrl-C in its terminal, ``kill -- -PGID``)
+reaches the executor and not them: they end with the executor, within a second
+(``_exit_with_parent``).
+
 What is per run: a worker serves exactly one run (run id and FAB hash) and never another, so two
 runs never share module globals, cached data tensors (a site that replaced its data files
 between two runs with the same run config trains the second on the new files) or a CUDA
@@ -69,10 +88,11 @@ import importlib
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from multiprocessing.connection import Connection
@@ -84,7 +104,7 @@ from flower_pin import require_flower
 require_flower("deploy/warm_executor.py")
 
 import httpx  # noqa: E402
-from flwr.app import Message  # noqa: E402
+from flwr.app import Context, Message, Metadata, RecordDict  # noqa: E402
 from flwr.app.error import Error  # noqa: E402
 from flwr.cli.install import install_from_fab  # noqa: E402
 from flwr.clientapp.client_app import ClientApp, LoadClientAppError  # noqa: E402
@@ -100,7 +120,7 @@ from flwr.supercore.interceptors import (  # noqa: E402
     RuntimeVersionHttpInterceptor,
     SuperExecAuthHttpInterceptor,
 )
-from flwr.supercore.retry import make_simple_http_retry_invoker  # noqa: E402
+from flwr.supercore.retry import RetryInvoker, exponential, make_simple_http_retry_invoker  # noqa: E402
 from flwr.supercore.runtime import RuntimeHttpClient  # noqa: E402
 from flwr.supercore.tls import validate_and_resolve_root_certificates  # noqa: E402
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output  # noqa: E402
@@ -119,14 +139,24 @@ class RuntimeEndpoint:
     insecure: bool
     root_certificates: bytes | None
 
-    def client(self, *interceptors) -> RuntimeHttpClient:  # noqa: ANN002
+    def client(self, *interceptors, retry_invoker: RetryInvoker | None = None) -> RuntimeHttpClient:  # noqa: ANN002
         return RuntimeHttpClient.from_server_address(
             server_address=self.address,
             insecure=self.insecure,
             root_certificates=self.root_certificates,
             interceptors=list(interceptors),
-            retry_invoker=make_simple_http_retry_invoker(),
+            retry_invoker=retry_invoker or make_simple_http_retry_invoker(),
         )
+
+    def task_client(self, token: str) -> RuntimeHttpClient:
+        """The client with which the executor answers a task in its ended worker's place: a few
+        quick tries (a SuperNode that is gone must not hold up the site's next task), and no
+        signal on a refused token (Flower's own retry sends the process SIGINT on a 401, which
+        would end the executor)."""
+        retry = RetryInvoker(lambda: exponential(base_delay=0.2, max_delay=2), httpx.TransportError,
+                             max_tries=3, max_time=10)
+        return self.client(RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                           RuntimeTokenHttpInterceptor(token), retry_invoker=retry)
 
 
 @dataclass(frozen=True)
@@ -195,6 +225,57 @@ class WorkerOptions:
     slots: HostSlots = HostSlots()
 
 
+ROUND_TIMEOUT_KEY = "round-timeout"  # the run-config key whose value is a task's deadline by default
+FALLBACK_TASK_TIMEOUT = 3600.0  # the app's default round-timeout: before the worker has read the run's
+
+
+@dataclass(frozen=True)
+class TaskStarted:
+    """What a worker tells the executor once it has pulled a task's input (picklable: it crosses
+    the pipe): the task message's metadata, with which the executor can answer the task if it
+    must end the worker, and the run's ``round-timeout`` (None when the run config has none)."""
+
+    reply_to: Metadata
+    round_timeout: float | None
+
+
+@dataclass(frozen=True)
+class TaskDeadline:
+    """How long a task may run. ``seconds``: the site's own deadline for every task (0: none),
+    or None (default) for each run's ``round-timeout``, with ``fallback`` seconds until the
+    worker has reported it or when the run config has none."""
+
+    seconds: float | None = None
+    fallback: float = FALLBACK_TASK_TIMEOUT
+
+    def limit(self, started: TaskStarted | None) -> float:
+        """Seconds the task may run, given what its worker reported so far; 0: no limit."""
+        if self.seconds is not None:
+            return self.seconds
+        return started.round_timeout if started is not None and started.round_timeout else self.fallback
+
+    def source(self, started: TaskStarted | None) -> str:
+        """Where :meth:`limit` took its seconds from, for the error a task ended at it gets."""
+        if self.seconds is not None:
+            return "the site's --task-timeout"
+        if started is not None and started.round_timeout:
+            return f"the run's {ROUND_TIMEOUT_KEY}"
+        return "the executor's default, the run's round-timeout not known"
+
+
+def round_timeout_of(run_config: Mapping[str, object]) -> float | None:
+    """The run config's ``round-timeout`` in seconds, None when it has none that is a positive
+    finite number (the app refuses such a run anyway; the deadline then falls back)."""
+    value = run_config.get(ROUND_TIMEOUT_KEY)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
 # ---------------------------------------------------------------------------- worker side
 
 
@@ -217,11 +298,14 @@ def _heartbeat_fn(client: RuntimeHttpClient):  # noqa: ANN202
 
 class TaskRunner:
     """Runs ClientApp tasks one after another in this process (the tasks of one run), the app
-    loaded at the first."""
+    loaded at the first. ``report`` hears of each task once its input is pulled (the worker
+    sends it to the executor, which keeps the task's deadline)."""
 
-    def __init__(self, endpoint: RuntimeEndpoint, slots: HostSlots = HostSlots()) -> None:
+    def __init__(self, endpoint: RuntimeEndpoint, slots: HostSlots = HostSlots(),
+                 report: Callable[[TaskStarted], None] | None = None) -> None:
         self.endpoint = endpoint
         self.slots = slots
+        self.report = report
         self.apps: dict[str, ClientApp] = {}
         self._load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
 
@@ -242,6 +326,8 @@ class TaskRunner:
         sub_status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
         try:
             message, context, run, fab = pull_task_input(client)
+            if self.report is not None:
+                self.report(TaskStarted(message.metadata, round_timeout_of(context.run_config)))
             app = self.app_for(run.fab_id, run.fab_version, fab.hash_str, fab.content)
             with self.slots.held():  # the heartbeats go on while the task waits for a slot
                 reply = app(message=message, context=context)
@@ -280,7 +366,7 @@ def worker_main(connection: Connection, endpoint: RuntimeEndpoint, options: Work
             importlib.import_module(module)
         except ImportError as err:
             log(WARNING, "Could not preload %s: %s", module, err)
-    runner = TaskRunner(endpoint, options.slots)
+    runner = TaskRunner(endpoint, options.slots, report=connection.send)
     while True:
         try:
             token = connection.recv()
@@ -307,6 +393,25 @@ class RunKey:
 WorkerMain = Callable[[Connection, RuntimeEndpoint, WorkerOptions, int], None]
 
 
+def _worker_process(main: WorkerMain, connection: Connection, endpoint: RuntimeEndpoint, options: WorkerOptions,
+                    executor_pid: int) -> None:
+    """A worker process: it leads a process group of its own before anything else, so that a
+    task ended at its deadline goes with whatever it started (data loaders, subprocesses)."""
+    os.setpgid(0, 0)
+    main(connection, endpoint, options, executor_pid)
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How a task handed to a worker ended: its sub-status (None when the worker died on it or
+    was ended), what the worker reported of it, and, when it ran past its deadline, that
+    deadline in seconds."""
+
+    status: str | None
+    started: TaskStarted | None = None
+    expired_after: float | None = None
+
+
 class Worker:
     """A worker process and the pipe to it. ``run_key``: the run it serves, None while it is the
     standby (preloaded, no app, no data); ``last_task``: when its last task ended, or when it got
@@ -317,7 +422,7 @@ class Worker:
         self.run_key: RunKey | None = None
         self.last_task = time.monotonic()
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=main, args=(child, endpoint, options, os.getpid()),
+        self.process = context.Process(target=_worker_process, args=(main, child, endpoint, options, os.getpid()),
                                        daemon=True, name="clientapp-worker")
         self.process.start()
         child.close()
@@ -325,16 +430,29 @@ class Worker:
     def serve(self, run_key: RunKey) -> None:
         self.run_key, self.last_task = run_key, time.monotonic()
 
-    def run(self, token: str) -> str | None:
-        """Hand a task over and wait for it; None when the worker died on it."""
+    def run(self, token: str, deadline: TaskDeadline = TaskDeadline()) -> TaskOutcome:
+        """Hand a task over and wait for it until its deadline (which the worker's report of the
+        run's round-timeout may set); the worker is left as it is when the deadline passes."""
+        handed_over = time.monotonic()
+        started: TaskStarted | None = None
         try:
             self.connection.send(token)
-            while not self.connection.poll(1.0):
-                if not self.process.is_alive():
-                    return None
-            return str(self.connection.recv())
+            while True:
+                limit = deadline.limit(started)
+                left = handed_over + limit - time.monotonic() if limit > 0 else math.inf
+                if not self.connection.poll(max(0.0, min(1.0, left))):  # past the deadline: one last look
+                    if left <= 0:
+                        return TaskOutcome(None, started, expired_after=limit)
+                    if not self.process.is_alive():
+                        return TaskOutcome(None, started)
+                    continue
+                answer = self.connection.recv()
+                if isinstance(answer, TaskStarted):
+                    started = answer
+                    continue
+                return TaskOutcome(str(answer), started)
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            return None
+            return TaskOutcome(None, started)
         finally:
             self.last_task = time.monotonic()
 
@@ -342,8 +460,15 @@ class Worker:
         self.connection.close()  # the worker's loop ends at its next read
         self.process.join(timeout=10)
         if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+            self.end()
+
+    def end(self) -> None:
+        """Kill the worker now, with every process of its group (what its task started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group it leads (_worker_process)
+        self.process.kill()  # in case it was killed before it made its group
+        self.process.join()
+        self.connection.close()
 
 
 class WarmExecutor:
@@ -361,13 +486,16 @@ class WarmExecutor:
 
     def __init__(self, client: RuntimeHttpClient, endpoint: RuntimeEndpoint, poll_interval: float,
                  options: WorkerOptions = WorkerOptions(), idle_timeout: float = 300,
-                 main: WorkerMain = worker_main) -> None:
+                 main: WorkerMain = worker_main, deadline: TaskDeadline = TaskDeadline(),
+                 task_client: Callable[[str], RuntimeHttpClient] | None = None) -> None:
         self.client = client
         self.endpoint = endpoint
         self.poll_interval = poll_interval
         self.options = options
         self.idle_timeout = idle_timeout  # seconds without a task before a run's worker stops; 0: never
         self.main = main
+        self.deadline = deadline
+        self.task_client = task_client or endpoint.task_client  # answers a task whose worker was ended
         self.workers: dict[RunKey, Worker] = {}
         # Started ahead, importing the preload modules while the node waits for work; the next new
         # run takes it.
@@ -431,11 +559,35 @@ class WarmExecutor:
         response = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
         if not (response.HasField("task") and response.token):
             return False
-        status = self.worker_for(RunKey(response.task.run_id, response.task.fab_hash)).run(response.token)
-        if status is None:
+        run_key = RunKey(response.task.run_id, response.task.fab_hash)
+        outcome = self.worker_for(run_key).run(response.token, self.deadline)
+        if outcome.expired_after is not None:
+            self.end_expired(run_key, response.task.task_id, response.token, outcome)
+        elif outcome.status is None:
             log(ERROR, "ClientApp worker died while running task %d; the task expires, the next "
                 "one gets a new worker", response.task.task_id)
         return True
+
+    def end_expired(self, run_key: RunKey, task_id: int, token: str, outcome: TaskOutcome) -> None:
+        """A task ran past its deadline: kill its worker and what it started, answer the task in
+        its place, and have a standby ready to serve the run's next task."""
+        worker = self.workers.pop(run_key)
+        worker.end()
+        self.standby_due = True
+        seconds = outcome.expired_after or 0.0
+        log(ERROR, "ClientApp task %d of %s ran past its deadline of %g s: its worker (pid %d) and the "
+            "processes it started were killed; the run's next task gets a new worker", task_id, run_key,
+            seconds, worker.process.pid)
+        if outcome.started is None:
+            log(WARNING, "Task %d's message was not pulled yet: the SuperNode answers it when its token "
+                "expires", task_id)
+            return
+        reason = (f"ClientApp task ran past its deadline of {seconds:g} s at the site "
+                  f"({self.deadline.source(outcome.started)}) and was ended")
+        try:
+            answer_task(self.task_client(token), outcome.started, reason)
+        except Exception as ex:  # pylint: disable=broad-exception-caught  # the next task must run
+            log(ERROR, "Could not answer task %d in its ended worker's place: %s", task_id, ex)
 
     def tend(self) -> None:
         """Between tasks: stop the workers of runs gone idle, and start the standby that a stopped
@@ -461,6 +613,26 @@ class WarmExecutor:
             worker.stop()
         self.workers, self.standby = {}, None
         self.client.close()
+
+
+def answer_task(client: RuntimeHttpClient, started: TaskStarted, reason: str) -> None:
+    """Answer a task whose worker was ended, as ``flwr-clientapp`` answers a ClientApp that
+    raised: an error reply to the task's message, then the task's status ``failed``. No context
+    goes with it, so the run's context stays as the last task that finished left it. Finishing
+    the task also revokes its token, so that the SuperNode does not answer the run's other
+    messages with errors when the token would have expired."""
+    try:
+        metadata = started.reply_to
+        reply = Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=reason),
+                        reply_to=Message(RecordDict(), metadata=metadata))
+        context = Context(run_id=metadata.run_id, node_id=metadata.dst_node_id, node_config={},
+                          state=RecordDict(), run_config={})
+        try:
+            push_message(client, reply, context)
+        finally:
+            push_task_output(client, None, SubStatus.FAILED, reason)
+    finally:
+        client.close()
 
 
 def runtime_client(endpoint: RuntimeEndpoint, secret: bytes | None) -> RuntimeHttpClient:
@@ -523,6 +695,11 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--run-idle-timeout", default=os.environ.get("FEDPAC_WORKER_IDLE_TIMEOUT", "300"),
                      help="seconds without a task of its run after which a run's worker stops and leaves "
                           "the site's memory, data and GPU (default 300, 0: never; env FEDPAC_WORKER_IDLE_TIMEOUT)")
+    cli.add_argument("--task-timeout", default=os.environ.get("FEDPAC_TASK_TIMEOUT", ROUND_TIMEOUT_KEY),
+                     help="seconds a task may run before its worker is killed and the task answered with an "
+                          f"error: '{ROUND_TIMEOUT_KEY}' (default) for each run's round-timeout ("
+                          f"{FALLBACK_TASK_TIMEOUT:g} s until the worker has read it), a number for every task, "
+                          "0 for none (env FEDPAC_TASK_TIMEOUT)")
     return cli
 
 
@@ -538,11 +715,27 @@ def idle_timeout_of(value: str) -> float:
     return seconds
 
 
+def task_deadline_of(value: str) -> TaskDeadline:
+    """``--task-timeout``: the run's round-timeout (the word itself), or seconds for every task
+    (0: none); else exit naming the option and its environment variable."""
+    if value.strip() == ROUND_TIMEOUT_KEY:
+        return TaskDeadline()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        sys.exit(f"warm_executor: --task-timeout (env FEDPAC_TASK_TIMEOUT) must be '{ROUND_TIMEOUT_KEY}' (each "
+                 f"run's), 0 (none) or a number of seconds, got {value!r}")
+    return TaskDeadline(seconds)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if not 0.01 <= args.poll_interval <= 60:
         sys.exit(f"warm_executor: --poll-interval must be between 0.01 and 60 s, got {args.poll_interval}")
     idle_timeout = idle_timeout_of(args.run_idle_timeout)
+    deadline = task_deadline_of(args.task_timeout)
     endpoint = RuntimeEndpoint(
         args.runtime_api_address,
         args.insecure,
@@ -556,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
     options = WorkerOptions(tuple(name.strip() for name in args.preload.split(",") if name.strip()),
                             max(0, args.worker_nice), HostSlots(args.slots_dir, args.host_slots))
     client = runtime_client(endpoint, load_superexec_auth_secret(args.superexec_auth_secret_file))
-    WarmExecutor(client, endpoint, args.poll_interval, options, idle_timeout).serve()
+    WarmExecutor(client, endpoint, args.poll_interval, options, idle_timeout, deadline=deadline).serve()
 
 
 if __name__ == "__main__":

@@ -209,8 +209,8 @@ class SiteGrid(WatchedGrid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = super().send_and_receive(messages, timeout=timeout)
         for pid, directory in self.model_dirs.items():
-            if (directory / "model.json").exists():
-                saved = json.loads((directory / "model.json").read_text())["round"]
+            for info in directory.glob("runs/*/model.json"):  # the run's own saves (client_app.site_model)
+                saved = json.loads(info.read_text())["round"]
                 if self.saved[pid][-1:] != [saved]:
                     self.saved[pid].append(saved)
         return replies

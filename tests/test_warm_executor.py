@@ -1,42 +1,78 @@
-"""deploy/warm_executor.py's executor: which worker process serves which task, and when workers
-end. A fake Runtime API hands out tasks of given runs (run id, FAB hash) the way the SuperNode's
-``AcquireTask`` does; the workers are real spawned processes, whose body answers each task's token
-instead of calling a ClientApp (the ClientApp path runs in tests/test_warm_deployment.py)."""
+"""deploy/warm_executor.py's executor: which worker process serves which task, when workers
+end, and a task's deadline. A fake Runtime API hands out tasks of given runs (run id, FAB hash)
+the way the SuperNode's ``AcquireTask`` does; the workers are real spawned processes, whose body
+answers each task's token instead of calling a ClientApp (the ClientApp path runs in
+tests/test_warm_deployment.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from flwr.proto.runtime_pb2 import AcquireTaskResponse  # pylint: disable=E0611
+from flwr.app import Message, Metadata, RecordDict
+from flwr.common.constant import ErrorCode, SubStatus
+from flwr.proto.message_pb2 import ObjectTree, PushObjectResponse  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+    AcquireTaskResponse,
+    PushAppMessagesResponse,
+    PushTaskOutputResponse,
+)
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.supercore.constant import TaskType
 
+from tests.deployment import process_gone
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 import warm_executor  # noqa: E402  pylint: disable=wrong-import-position
-from warm_executor import RunKey  # noqa: E402  pylint: disable=wrong-import-position
+from warm_executor import RunKey, TaskDeadline  # noqa: E402  pylint: disable=wrong-import-position
 
 TASK_LOG = "FEDPAC_TEST_TASK_LOG"  # where the workers write "<token> <pid>" per task
+HANG_SECONDS = 20  # how long a hanging task sleeps: far past the deadlines below
+
+
+def task_metadata(token: str, run_id: int) -> Metadata:
+    """The metadata of the message a task with ``token`` pulled (a train message of the server)."""
+    return Metadata(run_id=run_id, message_id=f"message-of-{token}", src_node_id=1, dst_node_id=77,
+                    reply_to_message_id="", group_id="3", created_at=time.time(), ttl=3600, message_type="train")
 
 
 def answering_worker(connection: Connection, endpoint: warm_executor.RuntimeEndpoint,
                      options: warm_executor.WorkerOptions, executor_pid: int) -> None:
     """A worker's loop with the ClientApp call left out: each token is written to the task log
     with this process's pid and answered as completed; the loop ends when the executor closes
-    the pipe, as ``worker_main``'s does."""
+    the pipe, as ``worker_main``'s does.
+
+    A token's first part says what its task does besides: ``hang`` starts a process (written to
+    the log as ``<token>/child <pid>``) and sleeps ``HANG_SECONDS``, ``slow`` sleeps 1.5 s;
+    ``@S`` after it reports the task as ``TaskRunner`` does, with a run config whose
+    round-timeout is S seconds."""
     del endpoint, options, executor_pid
     while True:
         try:
             token = connection.recv()
         except EOFError:
             return
+        kind, _, round_timeout = token.split("-")[0].partition("@")
         with open(os.environ[TASK_LOG], "a", encoding="ascii") as log:
             log.write(f"{token} {os.getpid()}\n")
+        if round_timeout:
+            run_id = int(token.rsplit("-", 1)[1])
+            connection.send(warm_executor.TaskStarted(task_metadata(token, run_id), float(round_timeout)))
+        if kind == "hang":
+            child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({3 * HANG_SECONDS})"])
+            with open(os.environ[TASK_LOG], "a", encoding="ascii") as log:
+                log.write(f"{token}/child {child.pid}\n")
+            time.sleep(HANG_SECONDS)
+        elif kind == "slow":
+            time.sleep(1.5)
         connection.send("completed")
 
 
@@ -49,9 +85,9 @@ class FakeRuntime:
         self.added = 0
         self.closed = False
 
-    def add(self, run_id: int, fab_hash: str) -> str:
+    def add(self, run_id: int, fab_hash: str, kind: str = "token") -> str:
         self.added += 1
-        token = f"token-{self.added}-run-{run_id}"
+        token = f"{kind}-{self.added}-run-{run_id}"
         task = Task(task_id=self.added, type=TaskType.CLIENT_APP, run_id=run_id, fab_hash=fab_hash)
         self.queue.append(AcquireTaskResponse(task=task, token=token))
         return token
@@ -71,16 +107,59 @@ def task_log(tmp_path, monkeypatch) -> Path:
     return path
 
 
+class FakeTaskClient:
+    """The Runtime API as one task's token reaches it: what the executor pushes when it answers
+    a task in its ended worker's place."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.messages: list = []  # the pushed messages (protobuf), content left out
+        self.objects: list[str] = []
+        self.output = None  # the PushTaskOutputRequest
+        self.closed = False
+
+    def PushMessages(self, request) -> PushAppMessagesResponse:  # noqa: ANN001, N802  # the RPC's name
+        self.messages.extend(request.messages_list)
+
+        def ids(tree: ObjectTree) -> list[str]:
+            return [tree.object_id, *(i for child in tree.children for i in ids(child))]
+
+        return PushAppMessagesResponse(objects_to_push=ids(request.message_object_trees[0]), session_id="session")
+
+    def PushObject(self, request) -> PushObjectResponse:  # noqa: ANN001, N802
+        self.objects.append(request.object_id)
+        return PushObjectResponse(stored=True)
+
+    def PushTaskOutput(self, request) -> PushTaskOutputResponse:  # noqa: ANN001, N802
+        self.output = request
+        return PushTaskOutputResponse()
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @pytest.fixture
-def executors(task_log):
+def answered() -> list[FakeTaskClient]:
+    """The task clients the executors made to answer tasks themselves, in order."""
+    return []
+
+
+@pytest.fixture
+def executors(task_log, answered):
     """Makes executors with a fake Runtime API and answering workers; stops them all after."""
     made: list[warm_executor.WarmExecutor] = []
 
-    def make(idle_timeout: float) -> tuple[warm_executor.WarmExecutor, FakeRuntime]:
+    def task_client(token: str) -> FakeTaskClient:
+        answered.append(FakeTaskClient(token))
+        return answered[-1]
+
+    def make(idle_timeout: float, deadline: TaskDeadline | None = None) -> tuple[warm_executor.WarmExecutor,
+                                                                                 FakeRuntime]:
         runtime = FakeRuntime()
         made.append(warm_executor.WarmExecutor(
             runtime, warm_executor.RuntimeEndpoint("127.0.0.1:1", True, None), poll_interval=0.01,  # type: ignore[arg-type]
-            idle_timeout=idle_timeout, main=answering_worker))
+            idle_timeout=idle_timeout, main=answering_worker, deadline=deadline or TaskDeadline(),
+            task_client=task_client))  # type: ignore[arg-type]
         return made[-1], runtime
 
     yield make
@@ -91,7 +170,7 @@ def executors(task_log):
 
 
 def served_by(task_log: Path) -> dict[str, int]:
-    """The pid that ran each task, by token."""
+    """The pid that ran each task, by token (and of what a task started, by ``<token>/child``)."""
     lines = task_log.read_text(encoding="ascii").split() if task_log.exists() else []
     return {token: int(pid) for token, pid in zip(lines[::2], lines[1::2], strict=True)}
 
@@ -204,3 +283,137 @@ def test_a_run_s_worker_that_died_is_replaced_for_the_run_s_next_task(executors,
     pids = served_by(task_log)
     assert pids[second] != pids[first] and list(live_workers(executor)) == [pids[second]]
     assert executor.standby is None  # the run did not end: no standby is due
+
+
+def _hung_task_is_gone(task_log: Path, token: str) -> tuple[int, int]:
+    """(worker pid, its child's pid) of the hanging task ``token``, after checking that both are
+    gone; a child left over is killed, so that a failing test leaves nothing behind."""
+    pids = served_by(task_log)
+    # the deadlines here are 3 s: a worker that a loaded machine starts late has still begun the task
+    worker, child = pids[token], pids[f"{token}/child"]
+    try:
+        assert process_gone(worker), "the hung worker still runs"
+        assert process_gone(child), "the process the hung task started still runs"
+    finally:
+        if not process_gone(child):
+            os.kill(child, signal.SIGKILL)
+    return worker, child
+
+
+@pytest.mark.e2e  # spawns worker processes
+def test_a_task_past_its_run_s_round_timeout_is_ended_with_what_it_started_answered_and_the_next_task_runs(
+    executors, task_log, answered
+):
+    executor, runtime = executors(idle_timeout=0)  # the default deadline: each run's round-timeout
+    hung = runtime.add(5, "fab-a", kind="hang@3")  # its run config: round-timeout = 3 s
+    after = runtime.add(5, "fab-a")
+    started = time.monotonic()
+    assert executor.step()
+    assert time.monotonic() - started < HANG_SECONDS / 2  # not held up by the hanging task
+    worker, _ = _hung_task_is_gone(task_log, hung)
+    assert RunKey(5, "fab-a") not in executor.workers
+
+    # answered in the worker's place, as flwr-clientapp answers a ClientApp that raised
+    (client,) = answered
+    assert client.token == hung and client.closed
+    (reply,) = client.messages
+    assert reply.metadata.reply_to_message_id == f"message-of-{hung}" and reply.metadata.run_id == 5
+    assert reply.metadata.dst_node_id == 1 and reply.metadata.src_node_id == 77  # back to the server
+    assert reply.error.code == ErrorCode.CLIENT_APP_CRASHED
+    assert "deadline of 3 s" in reply.error.reason and "round-timeout" in reply.error.reason
+    assert client.objects  # the reply's objects went with it
+    assert client.output.sub_status == SubStatus.FAILED and client.output.details == reply.error.reason
+    assert not client.output.HasField("context")  # the run's context stays as it was
+
+    executor.tend()  # the standby the ended worker made due
+    assert executor.standby is not None
+    assert executor.step()
+    assert served_by(task_log)[after] not in (0, worker)
+    assert list(live_workers(executor)) == [served_by(task_log)[after]]
+
+
+@pytest.mark.e2e  # spawns worker processes
+@pytest.mark.parametrize("kind, deadline, source", [
+    ("hang@3600", TaskDeadline(seconds=3), "--task-timeout"),  # the site's deadline wins over the run's
+    ("hang", TaskDeadline(fallback=3), None),  # never reported: the executor's default, no answer
+])
+def test_the_site_s_deadline_and_the_default_one_end_a_hung_task_too(executors, task_log, answered, kind,
+                                                                      deadline, source):
+    executor, runtime = executors(idle_timeout=0, deadline=deadline)
+    hung = runtime.add(9, "fab-a", kind=kind)
+    started = time.monotonic()
+    assert executor.step()
+    assert time.monotonic() - started < HANG_SECONDS / 2
+    _hung_task_is_gone(task_log, hung)
+    if source is None:  # the message's metadata never came: the SuperNode answers when the token expires
+        assert answered == []
+    else:
+        ((reply,),) = [client.messages for client in answered]
+        assert source in reply.error.reason and "deadline of 3 s" in reply.error.reason
+
+
+@pytest.mark.e2e  # spawns worker processes
+def test_a_task_timeout_of_0_lets_a_task_run_past_its_run_s_round_timeout(executors, task_log, answered):
+    executor, runtime = executors(idle_timeout=0, deadline=TaskDeadline(seconds=0))
+    slow = runtime.add(4, "fab-a", kind="slow@0.2")  # 1.5 s, with a round-timeout of 0.2 s
+    run_all(executor)
+    worker = executor.workers[RunKey(4, "fab-a")]
+    assert served_by(task_log)[slow] == worker.process.pid and worker.process.is_alive()
+    assert answered == []
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf", "round_timeout"])
+def test_a_bad_task_timeout_is_refused_naming_the_option_and_its_variable(value, monkeypatch):
+    with pytest.raises(SystemExit, match=r"--task-timeout \(env FEDPAC_TASK_TIMEOUT\) must be 'round-timeout' "
+                                         r"\(each run's\), 0 \(none\) or a number of seconds, got '" + value):
+        warm_executor.main(["--task-timeout", value])
+    monkeypatch.setenv("FEDPAC_TASK_TIMEOUT", value)
+    with pytest.raises(SystemExit, match="FEDPAC_TASK_TIMEOUT"):
+        warm_executor.main([])
+    assert warm_executor.task_deadline_of("round-timeout") == TaskDeadline()
+    assert warm_executor.task_deadline_of("0") == TaskDeadline(0.0)
+    assert warm_executor.task_deadline_of("90") == TaskDeadline(90.0)
+    assert warm_executor.parser().parse_args([]).task_timeout == value  # the variable is the default
+
+
+def test_a_worker_reports_each_task_s_message_and_round_timeout_before_the_app_runs(monkeypatch):
+    """What the executor's deadline and its answer rest on: ``TaskRunner`` reports the pulled
+    message's metadata and the run config's round-timeout before it loads or calls the app."""
+
+    class Quiet:  # no heartbeats to a Runtime API that is not there
+        def __init__(self, beat) -> None:  # noqa: ANN001
+            del beat
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    metadata = task_metadata("t", 3)
+    message = Message(RecordDict(), metadata=metadata)
+    context = warm_executor.Context(run_id=3, node_id=77, node_config={}, state=RecordDict(),
+                                    run_config={"round-timeout": 45.0})
+    events: list[object] = []
+    monkeypatch.setattr(warm_executor, "HeartbeatSender", Quiet)
+    run, fab = SimpleNamespace(fab_id="", fab_version="", run_id=3), SimpleNamespace(hash_str="", content=b"")
+    monkeypatch.setattr(warm_executor, "pull_task_input", lambda client: (message, context, run, fab))
+    monkeypatch.setattr(warm_executor, "push_message", lambda client, reply, ctx: events.append("pushed"))
+    monkeypatch.setattr(warm_executor, "push_task_output", lambda client, ctx, status, details: events.append(status))
+    runner = warm_executor.TaskRunner(warm_executor.RuntimeEndpoint("127.0.0.1:1", True, None), report=events.append)
+
+    def app(message: Message, context: warm_executor.Context) -> Message:
+        events.append("app")
+        return Message(RecordDict(), reply_to=message)
+
+    monkeypatch.setattr(runner, "app_for", lambda *fab: app)
+    assert runner.run("token") == SubStatus.COMPLETED
+    assert events == [warm_executor.TaskStarted(metadata, 45.0), "app", "pushed", SubStatus.COMPLETED]
+    assert events[0].reply_to.message_id == metadata.message_id
+
+
+@pytest.mark.parametrize("value, seconds", [(45.0, 45.0), (30, 30.0), ("12.5", 12.5), (0, None), (-3, None),
+                                            ("soon", None), (True, None), (float("inf"), None), (None, None)])
+def test_the_round_timeout_a_worker_reports_is_a_positive_number_or_none(value, seconds):
+    assert warm_executor.round_timeout_of({} if value is None else {"round-timeout": value}) == seconds
+    started = warm_executor.TaskStarted(task_metadata("t", 1), seconds)
+    assert TaskDeadline(fallback=7).limit(started) == (seconds or 7)  # the default when the run has none
+    assert TaskDeadline(seconds=2).limit(started) == 2 and TaskDeadline(seconds=0).limit(started) == 0
