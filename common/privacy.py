@@ -134,8 +134,14 @@ def epsilon_of(history: Sequence[Mechanism], delta: float) -> float:
         return 0.0
     from opacus.accountants.analysis import rdp as rdp_analysis  # pylint: disable=import-outside-toplevel
 
-    rdp = np.zeros(len(ORDERS))
+    # RDP composes by addition, in any order: each distinct mechanism's RDP is computed once for
+    # all its releases (a site's rounds alternate DP-SGD and statistics releases, which never merge
+    # as neighbours; computed entry by entry, the cost grew with every round)
+    counts: dict[tuple[float, float], int] = {}
     for sigma, q, times in history:
+        counts[(sigma, q)] = counts.get((sigma, q), 0) + times
+    rdp = np.zeros(len(ORDERS))
+    for (sigma, q), times in counts.items():
         rdp += np.asarray(rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=times, orders=list(ORDERS)))
     with warnings.catch_warnings():
         # at an epsilon far from any useful one the best order is at an end of the range: the

@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +15,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 # What the in-process sites keep between rounds (client_app.app.site_state_root) lands in this
 # session's own Flower home, not the user's; a test that starts Flower's processes gives them one.
-os.environ["FLWR_HOME"] = tempfile.mkdtemp(prefix="fedpac-tests-flwr-home-")
+# Every pytest process has its own (with pytest-xdist: the controller and each worker) and removes
+# it when it ends (pytest_unconfigure; atexit should a process end without it): a test run leaves
+# nothing in the temp folder (tests/test_test_hygiene.py).
+FLWR_HOME = tempfile.mkdtemp(prefix="fedpac-tests-flwr-home-")
+os.environ["FLWR_HOME"] = FLWR_HOME
+_OWNER = os.getpid()
+
+
+def _remove_flwr_home() -> None:
+    if os.getpid() == _OWNER:  # not a forked child's exit: the folder is its parent's
+        shutil.rmtree(FLWR_HOME, ignore_errors=True)
+
+
+atexit.register(_remove_flwr_home)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:  # pylint: disable=unused-argument
+    """This process's Flower home goes with it."""
+    _remove_flwr_home()
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 from pathlib import Path
 from typing import cast
 
@@ -28,7 +29,7 @@ from common.model import FedPACNet
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
 from common.site_privacy import Entry, SiteLedger
 from common.statistics import class_feature_sums, class_means
-from common.training import train_extractor, train_head, train_joint
+from common.training import class_counts, sgd_epochs, train_extractor, train_head, train_joint
 from federation import InProcessGrid
 from server_app.app import run_fedpac
 
@@ -113,6 +114,56 @@ def test_dp_sgd_noise_has_the_mechanism_s_scale():
     assert float(noise.std()) == pytest.approx(1.3 * 0.7 / 32, rel=0.02)
 
 
+class _RecordingSGD(torch.optim.SGD):
+    """Plain SGD at step size 0 (the model stays put, so each record's gradient stays the same)
+    that keeps the gradient of every step it takes."""
+
+    def __init__(self, params) -> None:  # noqa: ANN001  # torch.optim.SGD's
+        super().__init__(params, lr=0.0, momentum=0.0)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201  # torch.optim.SGD's
+        self.seen.append([q.grad.clone() for group in self.param_groups for q in group["params"]])
+        return super().step(closure)
+
+
+def test_dp_sgd_s_steps_are_a_from_scratch_mechanism_normalized_by_the_expected_batch():
+    """Every step of ``sgd_epochs`` at a private site, with q = 1/5: the records a Poisson draw of
+    the sampling generator takes, each record's own gradient (autograd, one record at a time)
+    clipped to C over all parameters, their sum plus N(0, (sigma C)^2) from the site's generator,
+    divided by the *expected* batch q n = 8, not by the batch the draw happened to give."""
+    n, batch, d, k = 40, 8, 6, 3
+    sigma, clip = 0.6, 1.5
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g) * torch.linspace(0.02, 3.0, n).unsqueeze(1)  # short and long gradients
+    y = torch.randint(0, k, (n,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(d, k)
+    optimizer = _RecordingSGD(model.parameters())
+    with private_site(PrivacySettings(noise_multiplier=sigma, max_grad_norm=clip), 9) as site:
+        sgd_epochs(optimizer, lambda idx: F.cross_entropy(model(x[idx]), y[idx]), 2, n, batch,
+                   torch.Generator().manual_seed(5), torch.device("cpu"), model)
+
+    params = list(model.parameters())
+    own = [torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params) for i in range(n)]
+    norms = [math.sqrt(sum(float(g_i.square().sum()) for g_i in grads)) for grads in own]
+    assert sum(norm < clip for norm in norms) >= 3 and sum(norm > clip for norm in norms) >= n // 2
+    clipped = [[g_i * min(1.0, clip / norm) for g_i in grads] for grads, norm in zip(own, norms)]
+    q = batch / n
+    sampling, noise = torch.Generator().manual_seed(5), torch.Generator().manual_seed(9)
+    sizes = []
+    assert len(optimizer.seen) == 2 * math.ceil(n / batch)
+    for got in optimizer.seen:
+        chosen = torch.nonzero(torch.rand(n, generator=sampling) < q).flatten().tolist()  # each with prob. q
+        sizes.append(len(chosen))
+        for j, param in enumerate(params):
+            summed = sum((clipped[i][j] for i in chosen), torch.zeros_like(param))
+            noisy = summed + sigma * clip * torch.randn(param.shape, generator=noise)
+            torch.testing.assert_close(got[j], noisy / (q * n), rtol=1e-5, atol=1e-7)
+    assert sum(size != q * n for size in sizes) >= len(sizes) // 2  # the two normalizations differ
+    assert site.ledger.history == [(sigma, q, len(sizes))]
+
+
 def test_a_penalty_term_joins_after_the_noise_unclipped(monkeypatch):
     """FedProx's proximal term reads no record: its gradient is added to the noisy one as it
     is. With no noise and a clipping norm no gradient reaches, DP-SGD's step is the plain
@@ -188,6 +239,41 @@ def test_statistics_come_from_clipped_features_with_noise_of_the_mechanism_s_sca
     assert float((means.double() - exact.class_means()).abs().mean()) < 3 * sigma * clip / (n / k) ** 0.5
 
 
+def test_private_statistics_are_a_from_scratch_gaussian_mechanism_on_clipped_features():
+    """``class_feature_sums`` at a private site (in batches of 32) against the mechanism written
+    out: each feature vector scaled down to norm C where longer, per-class counts, sums and sums
+    of squared norms, then N(0, (sigma_s s)^2) from the site's generator on each (sensitivities
+    1, C and C^2, in that order), the counts made whole by largest remainders summing to n. The
+    counts the training routines read (``class_counts``) in the same round are those counts."""
+    n, k, d, clip, sigma = 120, 4, 5, 2.0, 3.0
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(n, d, generator=g) * torch.linspace(0.1, 1.6, n).unsqueeze(1)
+    labels = torch.randint(0, k, (n,), generator=g)
+    with private_site(PrivacySettings(statistics_noise_multiplier=sigma, feature_clip=clip), 11) as site:
+        got = class_feature_sums(_Identity(), z, labels, k, batch_size=32)
+        counts_read = class_counts(labels, k)
+    assert site.ledger.history == [(sigma, 1.0, 3)]
+
+    features = z.double()
+    norms = features.norm(dim=1)
+    assert int((norms > clip).sum()) >= n // 4 and int((norms < clip).sum()) >= n // 4
+    features = features * (clip / norms).clamp(max=1.0).unsqueeze(1)
+    one_hot = F.one_hot(labels, k).double()
+    noise = torch.Generator().manual_seed(11)
+    counts = one_hot.sum(dim=0) + sigma * 1.0 * torch.randn(k, generator=noise, dtype=torch.float64)
+    sums = one_hot.T @ features + sigma * clip * torch.randn(k, d, generator=noise, dtype=torch.float64)
+    squares = one_hot.T @ features.square().sum(dim=1) + sigma * clip**2 * torch.randn(
+        k, generator=noise, dtype=torch.float64)
+    torch.testing.assert_close(got.sums, sums, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.sq_norm_sums, squares, rtol=1e-12, atol=1e-12)
+    share = counts.clamp(min=0) / counts.clamp(min=0).sum() * n
+    whole = share.floor()
+    for i in sorted(range(k), key=lambda c: float(whole[c] - share[c]))[:n - int(whole.sum())]:
+        whole[i] += 1
+    assert got.counts.tolist() == whole.tolist() and counts_read.tolist() == whole.tolist()
+    assert got.counts.tolist() != one_hot.sum(dim=0).tolist()  # noised
+
+
 def test_noisy_counts_become_whole_counts_that_sum_to_the_public_n():
     assert privacy.counts_summing_to(torch.tensor([10.4, -3.0, 5.2, 4.9]), 20).tolist() == [10.0, 0.0, 5.0, 5.0]
     assert privacy.counts_summing_to(torch.tensor([-1.0, -2.0]), 3).sum() == 3
@@ -200,24 +286,56 @@ def test_noisy_counts_become_whole_counts_that_sum_to_the_public_n():
 # ---------------------------------------------------------------------------- accountant
 
 
+def _closed_form_rdp(sigma: float, q: float, alpha: int) -> float:
+    """Rényi DP of one Poisson-subsampled Gaussian mechanism at an integer order, from its closed
+    form (Mironov, Talwar, Zhang 2019, eq. for integer alpha:
+    A_a = sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)), RDP = log A_a / (a - 1))."""
+    terms = [math.lgamma(alpha + 1) - math.lgamma(k + 1) - math.lgamma(alpha - k + 1)
+             + (alpha - k) * math.log1p(-q) + k * math.log(q) + (k * k - k) / (2 * sigma**2)
+             if q < 1 else ((alpha * alpha - alpha) / (2 * sigma**2) if k == alpha else -math.inf)
+             for k in range(alpha + 1)]
+    top = max(terms)
+    return (top + math.log(sum(math.exp(t - top) for t in terms))) / (alpha - 1)
+
+
+def _integrated_rdp(sigma: float, q: float, alpha: float) -> float:
+    """The same at any order, from the definition: log E_{z ~ mu_0}[(mu(z) / mu_0(z))^alpha] / (alpha - 1)
+    with mu_0 = N(0, sigma^2) and mu = (1 - q) mu_0 + q N(1, sigma^2), integrated numerically (a
+    Riemann sum in log space on a grid of step sigma / 40 that covers the integrand's mass)."""
+    z = np.arange(-12 * sigma - 1, alpha + 12 * sigma + 1, sigma / 40)
+    log_mu0 = -z * z / (2 * sigma**2) - math.log(sigma * math.sqrt(2 * math.pi))
+    shift = (2 * z - 1) / (2 * sigma**2)  # log N(1, sigma^2) / N(0, sigma^2)
+    log_ratio = shift if q == 1 else np.logaddexp(math.log1p(-q), math.log(q) + shift)
+    log_integrand = log_mu0 + alpha * log_ratio
+    top = float(log_integrand.max())
+    return (top + math.log(float(np.exp(log_integrand - top).sum()) * sigma / 40)) / (alpha - 1)
+
+
+def _epsilon(history: list[tuple[float, float, int]], delta: float, rdp, orders) -> float:  # noqa: ANN001
+    """Epsilon of composed mechanisms (sigma, q, times): their Rényi DP (``rdp(sigma, q, alpha)``)
+    summed at each order, converted as Balle et al. 2020 (Theorem 21), the best order."""
+    return min(sum(times * rdp(sigma, q, alpha) for sigma, q, times in history)
+               + math.log1p(-1 / alpha) - (math.log(delta) + math.log(alpha)) / (alpha - 1) for alpha in orders)
+
+
 def _independent_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
-    """Epsilon of composed Poisson-subsampled Gaussian mechanisms from the closed form of their
-    Rényi DP at integer orders (Mironov, Talwar, Zhang 2019, eq. for integer alpha:
-    A_a = sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)), RDP = log A_a / (a - 1)),
-    summed over the mechanisms and converted as Balle et al. 2020 (Theorem 21)."""
-    best = math.inf
-    for alpha in range(2, 64):
-        rdp = 0.0
-        for sigma, q, times in history:
-            terms = [math.lgamma(alpha + 1) - math.lgamma(k + 1) - math.lgamma(alpha - k + 1)
-                     + (alpha - k) * math.log1p(-q) + k * math.log(q) + (k * k - k) / (2 * sigma**2)
-                     if q < 1 else ((alpha * alpha - alpha) / (2 * sigma**2) if k == alpha else -math.inf)
-                     for k in range(alpha + 1)]
-            top = max(terms)
-            rdp += times * (top + math.log(sum(math.exp(t - top) for t in terms))) / (alpha - 1)
-        eps = rdp + math.log1p(-1 / alpha) - (math.log(delta) + math.log(alpha)) / (alpha - 1)
-        best = min(best, eps)
-    return best
+    """Epsilon from the closed form at the integer orders 2-63."""
+    return _epsilon(history, delta, _closed_form_rdp, range(2, 64))
+
+
+# Orders 1.02 to 11.98 in steps of 0.02, then 12 to 64: finer than the accountant's own.
+FINE_ORDERS = [1 + i / 50 for i in range(1, 550)] + list(range(12, 65))
+
+
+def _integrated_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon from the integrated Rényi DP at :data:`FINE_ORDERS`."""
+    return _epsilon(history, delta, _integrated_rdp, FINE_ORDERS)
+
+
+@pytest.mark.parametrize(("sigma", "q"), [(0.8, 0.01), (2.3, 0.5), (1.1, 1 / 3), (23.0, 1.0), (0.9, 1.0)])
+def test_the_integrated_renyi_dp_is_the_closed_form_at_integer_orders(sigma, q):
+    for alpha in (2, 3, 7, 16, 40, 63):
+        assert _integrated_rdp(sigma, q, alpha) == pytest.approx(_closed_form_rdp(sigma, q, alpha), rel=1e-9)
 
 
 @pytest.mark.parametrize("history", [
@@ -292,8 +410,8 @@ def test_a_site_whose_last_round_would_pass_its_budget_refuses_without_training(
 
 def _own_sites(tmp_path: Path) -> dict[str, str]:
     """Sites of a test's own: their state (their privacy ledgers) in the test's folder, not in
-    the folder every in-process run of this process shares."""
-    return {"state-dir": f"{tmp_path}-sites"}
+    the folder every in-process run of this process shares (the run's outputs go to ``out``)."""
+    return {"state-dir": str(tmp_path / "sites")}
 
 
 def _rows(out: Path, name: str) -> list[dict]:
@@ -311,19 +429,19 @@ def test_a_site_over_its_budget_stops_and_the_run_goes_on_without_it(tmp_path, c
     budget = (one_round.repeated(2).epsilon(DELTA) + one_round.repeated(3).epsilon(DELTA)) / 2
     config = {"strategy": "fedavg", "samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1,
               "batch-size": 20, "num-server-rounds": 6, "fraction-train": 0.5, "max-failed-rounds": 6,
-              "dp": True, "dp-epsilon-budget": budget, "output-dir": str(tmp_path)}
+              "dp": True, "dp-epsilon-budget": budget, "output-dir": str(tmp_path / "out")}
     with caplog.at_level(logging.INFO):
         run_fedpac(cast(Grid, InProcessGrid(config, 4, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
-    status = [d for d in tmp_path.iterdir() if d.is_dir()][0] / "status.json"
+    status = [d for d in (tmp_path / "out").iterdir() if d.is_dir()][0] / "status.json"
     assert '"finished"' in status.read_text()
-    clients = [r for r in _rows(tmp_path, "clients.csv") if r["trained"] == "1"]
+    clients = [r for r in _rows(tmp_path / "out", "clients.csv") if r["trained"] == "1"]
     assert all(float(r["dp_epsilon"]) <= budget for r in clients)
     trained: dict[str, int] = {}
     for r in clients:
         trained[r["partition_id"]] = trained.get(r["partition_id"], 0) + 1
     assert max(trained.values()) == 2  # 12 trainings asked of 4 sites: some were asked a third time
     assert "stops training at round" in caplog.text and "over its budget" in caplog.text
-    rounds = _rows(tmp_path, "rounds.csv")
+    rounds = _rows(tmp_path / "out", "rounds.csv")
     assert [r["round"] for r in rounds] == [str(t) for t in range(1, 7)]
     assert sum(int(r["num_rejected"]) for r in rounds) >= 1
     assert all(float(r["max_dp_epsilon"]) <= budget for r in rounds if r["max_dp_epsilon"])
@@ -333,13 +451,13 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path)
     """With dp on, each trained site's reply carries its epsilon, which is its ledger's (kept at
     the site) and grows from round to round; the round line's maximum is the largest of them."""
     config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1,
-              "batch-size": 20, "num-server-rounds": 2, "dp": True, "output-dir": str(tmp_path)}
+              "batch-size": 20, "num-server-rounds": 2, "dp": True, "output-dir": str(tmp_path / "out")}
     run_fedpac(cast(Grid, InProcessGrid(config, 3, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
-    clients = _rows(tmp_path, "clients.csv")
+    clients = _rows(tmp_path / "out", "clients.csv")
     by_round = {t: [float(r["dp_epsilon"]) for r in clients if r["round"] == str(t)] for t in (1, 2)}
     assert len(by_round[1]) == len(by_round[2]) == 3
     assert min(by_round[2]) > max(by_round[1]) > 0
-    rounds = _rows(tmp_path, "rounds.csv")
+    rounds = _rows(tmp_path / "out", "rounds.csv")
     assert [float(r["max_dp_epsilon"]) for r in rounds] == [max(by_round[1]), max(by_round[2])]
     # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD, the statistics
     # before training (counts, sums, squares) and the centroids after it (sums: the counts are
@@ -350,6 +468,48 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path)
     assert by_round[1][0] == pytest.approx(one_round.epsilon(DELTA), rel=1e-9)
     assert by_round[2][0] == pytest.approx(one_round.repeated(2).epsilon(DELTA), rel=1e-9)
     assert p.DP_EPSILON == "dp-epsilon"
+
+
+CALIBRATED = re.compile(r"partition (\d+): noise multipliers (\S+) \(gradients\) and (\S+) \(statistics\) "
+                        r"reach epsilon")
+
+
+def test_a_run_with_a_target_epsilon_ends_within_1_percent_below_it(tmp_path, caplog):
+    """FedPAC, 3 rounds, dp-target-epsilon = 1, sites with fresh ledgers: each site's epsilon after
+    the last round, in clients.csv and recomputed from scratch (its 3 rounds of DP-SGD steps at
+    q = batch / n and of statistics releases, at the noise multipliers its log line says it
+    calibrated, through the integrated Rényi DP of the sampled Gaussian), lies in
+    [0.99 target, target]: the calibration plans for the rounds the run has left, no fewer (the
+    target would be passed) and no more (noise wasted)."""
+    target, rounds, batch = 1.0, 3, 15
+    config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "head-epochs": 1,
+              "local-epochs": 1, "batch-size": batch, "num-server-rounds": rounds, "dp": True,
+              "dp-target-epsilon": target, "output-dir": str(tmp_path / "out")}
+    with caplog.at_level(logging.INFO):
+        run_fedpac(cast(Grid, InProcessGrid(config, 2, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
+    calibrated: dict[str, tuple[float, float]] = {}
+    for record in caplog.records:
+        if (match := CALIBRATED.match(record.getMessage())) is not None:
+            partition, gradients, statistics = match.groups()
+            assert partition not in calibrated  # once, before the site's first round
+            exact = cast(tuple, record.args)[1:3]  # the same numbers, to full precision
+            assert (f"{exact[0]:.4g}", f"{exact[1]:.4g}") == (gradients, statistics)
+            calibrated[partition] = (float(exact[0]), float(exact[1]))
+    assert sorted(calibrated) == ["0", "1"]
+    clients = _rows(tmp_path / "out", "clients.csv")
+    for partition, (sigma, sigma_statistics) in calibrated.items():
+        site = sorted((r for r in clients if r["partition_id"] == partition), key=lambda r: int(r["round"]))
+        assert [(r["round"], r["trained"]) for r in site] == [(str(t), "1") for t in range(1, rounds + 1)]
+        assert sigma_statistics == pytest.approx(10 * sigma, rel=1e-12)  # one factor on both (1 and 10)
+        n = int(site[-1]["num_examples"])
+        # a round of FedPAC: a head epoch and an extractor epoch of ceil(n / batch) Poisson-sampled
+        # steps each; counts, sums and squares before training and the centroids' sums after it
+        history = [(sigma, batch / n, rounds * 2 * math.ceil(n / batch)), (sigma_statistics, 1.0, rounds * 4)]
+        epsilon = _integrated_epsilon(history, DELTA)
+        assert 0.99 * target <= epsilon <= target
+        reported = float(site[-1]["dp_epsilon"])
+        assert 0.99 * target <= reported <= target
+        assert reported == pytest.approx(epsilon, rel=1e-3)
 
 
 def test_pfedvem_s_per_sample_e_step_gradients_are_each_record_s_own():

@@ -78,16 +78,20 @@ class TwoHostCluster:
                     "FLWR_TELEMETRY_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
         self.env.pop("FLWR_HOME", None)  # each host's is its HOME's, as the worker host's is
-        self.processes = [
-            self._spawn("head", [str(BIN / "ray"), "start", "--head", "--block", "--port", str(RAY_PORT),
-                                 "--node-ip-address", network.addresses["head"], "--temp-dir", str(self.head_tmp),
-                                 "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats"]),
-        ]
-        self.wait_for_nodes(1)
-        script = worker_script(Path(sys.prefix), self.worker_tmp, hidden, network.addresses["head"])
-        self.processes.append(self._spawn("worker", ["unshare", "--mount", "--propagation", "private",
-                                                     "bash", "-c", script]))
-        self.wait_for_nodes(2)
+        self.processes: list[subprocess.Popen] = []
+        try:  # a cluster that fails to come up leaves no Ray behind
+            self.processes.append(self._spawn(
+                "head", [str(BIN / "ray"), "start", "--head", "--block", "--port", str(RAY_PORT),
+                         "--node-ip-address", network.addresses["head"], "--temp-dir", str(self.head_tmp),
+                         "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats"]))
+            self.wait_for_nodes(1)
+            script = worker_script(Path(sys.prefix), self.worker_tmp, hidden, network.addresses["head"])
+            self.processes.append(self._spawn("worker", ["unshare", "--mount", "--propagation", "private",
+                                                         "bash", "-c", script]))
+            self.wait_for_nodes(2)
+        except BaseException:
+            self.close()
+            raise
 
     def _spawn(self, host: str, command: list[str]) -> subprocess.Popen:
         log = (self.head_tmp if host == "head" else self.worker_tmp).with_suffix(".log").open("w")
