@@ -249,7 +249,8 @@ SERVER_ONLY_KEYS = frozenset({
     "num_server_rounds", "fraction_train", "full_last_round", "min_available_clients", "min_train_replies",
     "max_failed_rounds", "max_samples_per_client", "max_weight_ratio", "fraction_evaluate", "fused_evaluation",
     "round_timeout", "partition_map", "dp_epsilon_budget", "dp_target_epsilon", "output_dir", "resume_from",
-    "save_model_every", "generalized_every",
+    "save_model_every", "generalized_every", "max_norm_ratio", "shared_aggregation", "trim_fraction",
+    "checkpoints_kept",
 })
 # The run-config keys that decide which records a simulated site holds.
 DATA_KEYS = ("dataset", "data_dir", "hf_repo", "num_classes", "image_size", "image_channels", "partition",

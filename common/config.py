@@ -18,6 +18,7 @@ from common.methods import METHODS
 from common.methods.base import Method, settings_of
 from common.methods.pfedvem import SAMPLE_PROTOCOLS
 from common.privacy import PrivacySettings
+from common.robust import AGGREGATIONS
 from common.sites import PartitionMap
 
 DATASETS = ("mnist-5k", "fashion-mnist", "mnist", "cifar10", "hf")
@@ -62,6 +63,14 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # is at most max-weight-ratio times the median n of the round's other replies (0: no cap).
     max_samples_per_client: int = 0
     max_weight_ratio: float = 10.0
+    # Each reply's update of every model part it sends back (its arrays minus those the server sent
+    # it that round), and each of its class means, is scaled down to at most max-norm-ratio times
+    # the median norm of the round's other replies' (0: no bound; ``common.robust``). The parts the
+    # server averages are combined by shared-aggregation: the sample-weighted mean (eq. 18), or
+    # the unweighted coordinate-wise median or trimmed mean (trim-fraction cut from each end).
+    max_norm_ratio: float = 3.0
+    shared_aggregation: str = "mean"
+    trim_fraction: float = 0.2
     fraction_evaluate: float = 1.0
     # A round's evaluation travels in the next round's train message (the client evaluates the
     # model it received before training on it): one message per client and round instead of two,
@@ -188,6 +197,9 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     mixed_precision: bool = False
     output_dir: str = "outputs"
     resume_from: str = ""
+    # The run folder keeps the checkpoints of this many of its latest rounds (checkpoint-round-<t>.npz),
+    # beside checkpoint.npz (the latest): resume-from can name an earlier one.
+    checkpoints_kept: int = 3
     # Each deployed site keeps its personalized model (node config model-dir) after the last
     # round; with N > 0 also after every N-th round.
     save_model_every: int = 0
@@ -258,6 +270,11 @@ def _validate(cfg: FedPACConfig) -> None:
            ">= 0 (0: no bound)")
     _check(cfg.max_weight_ratio == 0 or cfg.max_weight_ratio >= 1, k("max_weight_ratio"), cfg.max_weight_ratio,
            "0 (no cap) or >= 1")
+    _check(cfg.max_norm_ratio == 0 or cfg.max_norm_ratio >= 1, k("max_norm_ratio"), cfg.max_norm_ratio,
+           "0 (no bound) or >= 1")
+    _check(cfg.shared_aggregation in AGGREGATIONS, k("shared_aggregation"), cfg.shared_aggregation,
+           f"one of {', '.join(AGGREGATIONS)}")
+    _check(0.0 <= cfg.trim_fraction < 0.5, k("trim_fraction"), cfg.trim_fraction, "in [0, 0.5)")
     _check(cfg.round_timeout > 0, k("round_timeout"), cfg.round_timeout, "> 0 seconds")
     try:
         PartitionMap.parse(cfg.partition_map)
@@ -372,6 +389,7 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(0 <= cfg.seed < 2**32, k("seed"), cfg.seed, "in [0, 2**32)")
     _check(cfg.device in DEVICES, k("device"), cfg.device, f"one of {', '.join(DEVICES)}")
     _check(bool(cfg.output_dir), k("output_dir"), cfg.output_dir, "a non-empty path")
+    _check(cfg.checkpoints_kept >= 1, k("checkpoints_kept"), cfg.checkpoints_kept, ">= 1")
 
 
 def _channel_values(text: str, channels: int, positive: bool = False) -> tuple[float, ...] | None:

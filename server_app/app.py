@@ -24,7 +24,7 @@ from common.model import FedPACNet, split_state
 from common.model import initial_model as seeded_model
 from common.partition import dominant_class_groups
 from common.sites import PartitionMap, SiteRegistry
-from server_app.checkpoint import Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
+from server_app.checkpoint import DEFAULT_KEPT, Checkpoint, checkpoint_file, load_checkpoint, save_checkpoint
 from server_app.responsive_grid import ResponsiveGrid, is_simulation
 from common.files import atomic_write, npz_bytes
 from server_app.report import FinalDelivery, RoundRecord, RunReport
@@ -56,15 +56,17 @@ def save_final_state(strategy: PersonalizedStrategy, path: Path) -> None:
     atomic_write(path, npz_bytes(strategy.server.final_arrays(strategy.state)))
 
 
-def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Checkpoint) -> None:
+def write_round_outputs(report: RunReport, record: RoundRecord, checkpoint: Checkpoint,
+                        checkpoints_kept: int = DEFAULT_KEPT) -> None:
     """A finished round's outputs, most important first: the checkpoint (``checkpoint.rounds``
-    ends with ``record``), then the tables (metrics.json, rounds.csv, clients.csv), then the
-    charts, drawn in the background while the next round trains. A failed checkpoint or table
+    ends with ``record``; those of the latest ``checkpoints_kept`` rounds are kept), then the
+    tables (metrics.json, rounds.csv, clients.csv), then the charts, drawn in the background
+    while the next round trains. A failed checkpoint or table
     write (a full disk, say) stops the run with an OSError naming the file; the checkpoint is
     then never behind the tables, so a run resumed from it has every round the tables show. A
     failed chart is only a warning (``RunReport.paint``).
     """
-    save_checkpoint(checkpoint, report.directory)
+    save_checkpoint(checkpoint, report.directory, checkpoints_kept)
     report.add(record)
 
 
@@ -129,7 +131,7 @@ def _resume(cfg: FedPACConfig) -> Checkpoint | None:
 RESUMABLE_KEYS = frozenset({
     "num_server_rounds", "output_dir", "resume_from", "device", "round_timeout", "min_available_clients",
     "min_train_replies", "max_failed_rounds", "generalized_every", "save_model_every", "data_dir",
-    "fused_evaluation", "partition_map",
+    "fused_evaluation", "partition_map", "checkpoints_kept",
 })
 
 
@@ -180,7 +182,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
     if checkpoint is not None:
         strategy.restore(checkpoint)
         report.rounds = list(checkpoint.rounds)
-        log(INFO, "Resuming from %s after round %d", cfg.resume_from, checkpoint.completed_rounds)
+        log(INFO, "Resuming from %s after round %d", checkpoint_file(cfg.resume_from), checkpoint.completed_rounds)
 
     def end_of_round(record: RoundRecord) -> None:
         checkpoint = Checkpoint(
@@ -193,7 +195,7 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
             config=asdict(cfg),
             lineage=strategy.lineage if strategy.sites_keep_state else (),
         )
-        write_round_outputs(report, record, checkpoint)
+        write_round_outputs(report, record, checkpoint, cfg.checkpoints_kept)
         write_status("running", record.round)
 
     def write_status(state: str, completed: int, error: str = "", delivery: FinalDelivery | None = None) -> str:

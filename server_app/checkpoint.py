@@ -1,14 +1,17 @@
 """Server checkpoints: everything needed to continue a run after a stop or a crash.
 
-One ``checkpoint.npz`` per run folder, rewritten atomically (write, then rename) after every
-round: the method's server state (``common.methods.server.ServerState``: for FedPAC the global
-extractor and centroids and every client's personalized head by partition-id; for pFedVEM the
-base, the prior mean and every client's posterior; ...), as ``shared/<section>/<array>`` and
-``personal/<section>/<partition-id>/<array>``, the number of finished rounds, and the per-round
-records so far. The method's name is stored so that a run resumes only as the method it was.
-Node sampling, pFedVEM's sample S_t and local shuffling are seeded by (seed, round,
-partition-id), so no random generator state needs saving: a resumed run continues exactly where
-the stopped one would have.
+``checkpoint.npz`` in the run folder, rewritten atomically (write, then rename) after every
+round, and beside it ``checkpoint-round-<t>.npz``, the same file for each of the latest
+``checkpoints-kept`` rounds (a hard link: no byte written twice), so that a run can resume from
+an earlier round than the last (one whose state a hostile or broken site had not yet spoiled,
+say). Each holds the method's server state (``common.methods.server.ServerState``: for FedPAC
+the global extractor and centroids and every client's personalized head by partition-id; for
+pFedVEM the base, the prior mean and every client's posterior; ...), as
+``shared/<section>/<array>`` and ``personal/<section>/<partition-id>/<array>``, the number of
+finished rounds, and the per-round records so far. The method's name is stored so that a run
+resumes only as the method it was. Node sampling, pFedVEM's sample S_t and local shuffling are
+seeded by (seed, round, partition-id), so no random generator state needs saving: a resumed run
+continues exactly where the stopped one would have.
 
 Checkpoints of format 1 (before the methods kept their state by section) are read too: their
 fields map onto the sections the methods keep now (:func:`_format_1_state`). So are records
@@ -18,7 +21,10 @@ generic fields): a field a record no longer has moves into its ``method`` (:func
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,12 +32,16 @@ from pathlib import Path
 import numpy as np
 
 from common import protocol as p
-from common.files import atomic_write, npz_bytes
+from common.files import atomic_write, npz_bytes, temporary_path
 from common.methods.server import ServerState
 from common.site_state import Lineage, check_lineage
 from server_app.report import RoundRecord, record_fields
 
 FILE_NAME = "checkpoint.npz"
+# The checkpoint of one round, kept for the latest ``checkpoints-kept`` rounds.
+ROUND_FILE = "checkpoint-round-{round}.npz"
+_ROUND_FILE = re.compile(r"checkpoint-round-(\d+)\.npz")
+DEFAULT_KEPT = 3
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 # RoundRecord fields whose keys are partition-ids (JSON turns them into strings).
@@ -60,8 +70,10 @@ class Checkpoint:
     lineage: Lineage = ()
 
 
-def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
-    """Write ``directory/checkpoint.npz`` atomically; returns its path."""
+def save_checkpoint(checkpoint: Checkpoint, directory: Path, kept: int = DEFAULT_KEPT) -> Path:
+    """Write ``directory/checkpoint.npz`` atomically, keep it as the round's
+    ``checkpoint-round-<t>.npz`` too, and remove the round files older than the latest ``kept``;
+    returns the path of ``checkpoint.npz``."""
     arrays = {f"shared/{section}/{key}": value
               for section, part in checkpoint.state.shared.items() for key, value in part.items()}
     for section, by_partition in checkpoint.state.personal.items():
@@ -79,8 +91,40 @@ def save_checkpoint(checkpoint: Checkpoint, directory: Path) -> Path:
     }
     arrays["meta"] = np.array(json.dumps(meta))
     path = directory / FILE_NAME
-    atomic_write(path, npz_bytes(arrays))
+    data = npz_bytes(arrays)
+    atomic_write(path, data)  # first: the file every reader and status.json names
+    _keep_round(path, directory / ROUND_FILE.format(round=checkpoint.completed_rounds), data)
+    rounds = kept_rounds(directory)
+    for number in rounds[:max(0, len(rounds) - max(1, kept))]:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / ROUND_FILE.format(round=number)).unlink()
     return path
+
+
+def _keep_round(latest: Path, path: Path, data: bytes) -> None:
+    """``path``: the round's checkpoint, as ``latest`` holds it. A hard link, made under a
+    temporary name and renamed, costs no second write; the next round's ``checkpoint.npz``
+    replaces that name's file, not this one. Where the file system has no hard links, the bytes
+    are written again. The link's directory entry is flushed to disk with the next file written
+    there (the next round's checkpoint, or the run's final state)."""
+    tmp = temporary_path(path)
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(latest, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        atomic_write(path, data)
+
+
+def kept_rounds(directory: str | Path) -> list[int]:
+    """The rounds whose checkpoint ``directory`` keeps (``checkpoint-round-<t>.npz``), oldest first."""
+    folder = Path(directory).expanduser()
+    if not folder.is_dir():
+        return []
+    found = (_ROUND_FILE.fullmatch(entry.name) for entry in folder.iterdir())
+    return sorted(int(match.group(1)) for match in found if match)
 
 
 def _record(data: dict) -> RoundRecord:
@@ -96,16 +140,19 @@ def _record(data: dict) -> RoundRecord:
 
 
 def checkpoint_file(location: str | Path) -> Path:
-    """The checkpoint file ``location`` names: itself, or the one in the run folder it names."""
+    """The checkpoint file ``location`` names: itself (``checkpoint.npz``, a round's
+    ``checkpoint-round-<t>.npz``), or the latest, ``checkpoint.npz``, of the run folder it names."""
     path = Path(location).expanduser()
     return path / FILE_NAME if path.is_dir() else path
 
 
 def load_checkpoint(location: str | Path) -> Checkpoint:
-    """Read a checkpoint from its file or from the run folder that holds it."""
+    """Read a checkpoint from its file or from the run folder that holds it (its latest)."""
     path = checkpoint_file(location)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+        rounds = kept_rounds(path.parent)
+        kept = f" (that folder keeps rounds {', '.join(map(str, rounds))})" if rounds else ""
+        raise CheckpointError(f"no checkpoint at {path}{kept}")
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}

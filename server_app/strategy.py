@@ -29,7 +29,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.averaging import capped_sample_weights
-from common.methods.server import EXTRACTOR, ServerPart, ServerState
+from common.methods.server import EXTRACTOR, ServerPart, ServerState, Update
 from common.site_state import Lineage
 from common.sites import SiteRegistry
 from server_app import federation
@@ -370,7 +370,8 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
                 message, self.failed_rounds, self.max_failed_rounds)
             return None, None
         self.failed_rounds = 0
-        step = self.server.step(self.state, [u.update for u in updates], self._sample_weights(updates), server_round)
+        bounded = self._bounded(updates, server_round)
+        step = self.server.step(self.state, bounded, self._sample_weights(updates), server_round)
         record.method.update(step.record)
         metrics = MetricRecord(
             {
@@ -382,6 +383,17 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         # Flower carries the global extractor to the next phase (Local-only's is the initial one:
         # each client's own is in the state)
         return p.to_record(self.extractor), metrics
+
+    def _bounded(self, updates: list[ClientUpdate], server_round: int) -> list[Update]:
+        """The replies as the method's step takes them: each one's update of the model parts it
+        carries bounded relative to the others' (``ServerPart.bound``; logged when it bites), so
+        that no single reply, however large, owns what the step computes from them."""
+        bounded, scaled = self.server.bound(self.state, [u.update for u in updates])
+        for item in scaled:
+            log(WARNING, "Round %d: partition %d's %s update has norm %.3g, over max-norm-ratio = %g times the "
+                "other replies' median: scaled down to %.3g", server_round, item.partition_id, item.part, item.norm,
+                self.server.cfg.max_norm_ratio, item.bound)
+        return bounded
 
     def _sample_weights(self, updates: list[ClientUpdate]) -> np.ndarray:
         """n_i for the averages, capped at ``max_weight_ratio`` times the others' median (logged)."""

@@ -54,6 +54,10 @@ BAD_VALUES: dict[str, list[Bad]] = {
     "max-failed-rounds": [Bad(-1, ">= 0")],
     "max-samples-per-client": [Bad(-1, ">= 0 (0: no bound)")],
     "max-weight-ratio": [Bad(0.5, "0 (no cap) or >= 1"), Bad(-1.0, "0 (no cap) or >= 1")],
+    "max-norm-ratio": [Bad(0.5, "0 (no bound) or >= 1"), Bad(-1.0, "0 (no bound) or >= 1")],
+    "shared-aggregation": [Bad("mode", "one of mean, median, trimmed-mean")],
+    "trim-fraction": [Bad(0.5, "in [0, 0.5)"), Bad(-0.1, "in [0, 0.5)")],
+    "checkpoints-kept": [Bad(0, ">= 1")],
     "fraction-evaluate": [Bad(0.0, "in (0, 1]"), Bad(1.01, "in (0, 1]")],
     "round-timeout": [Bad(0.0, "> 0 seconds"), Bad(-60.0, "> 0 seconds")],
     "partition-map": [

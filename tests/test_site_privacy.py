@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import logging
 import stat
 from pathlib import Path
@@ -302,3 +303,18 @@ def test_fine_tuning_whose_accuracy_is_reported_is_private_and_charged(tmp_path,
         assert len({e.release for e in entries if not e.refused}) == releases, [e.released for e in entries]
         # each one DP-SGD's steps at the run's noise (the fine-tuning's as the training's)
         assert all(any(sigma == 1.0 and q < 1 for sigma, q, _ in e.released.history) for e in entries)
+
+
+def test_the_keys_a_release_leaves_out_are_the_run_config_s_and_only_the_server_s():
+    """A release's identity leaves out only run-config keys the site's computation never reads
+    (a misspelt one would leave the real key in, a site-side one left out would let two
+    different computations share noise)."""
+    from client_app.app import DATA_KEYS, SERVER_ONLY_KEYS  # pylint: disable=import-outside-toplevel
+    from common.config import FedPACConfig  # pylint: disable=import-outside-toplevel
+
+    fields = {f.name for f in dataclasses.fields(FedPACConfig)}
+    assert SERVER_ONLY_KEYS <= fields and set(DATA_KEYS) <= fields
+    site_side = {"local_epochs", "batch_size", "extractor_lr", "head_lr", "momentum", "weight_decay", "lambda_align",
+                 "dp_noise_multiplier", "dp_max_grad_norm", "dp_statistics_noise_multiplier", "dp_feature_clip",
+                 "seed", "device", "strategy", "method_settings"}
+    assert not SERVER_ONLY_KEYS & site_side

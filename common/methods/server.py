@@ -12,18 +12,21 @@ run's outputs (its columns, tables, charts and log) it declares as :attr:`Server
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from logging import WARNING
 from typing import Any, ClassVar
 
 import numpy as np
+from flwr.supercore import log
 
 from common import protocol as p
-from common.averaging import weighted_average
 from common.config import FedPACConfig
 from common.methods import METHODS
 from common.methods.base import Method, Rule
 from common.methods.outputs import Outputs
+from common.robust import aggregate, bound_rows, bound_updates
 from common.validation import InvalidReply
 
 # Sections of the state every method with a shared or a personal model part keeps.
@@ -66,6 +69,17 @@ class Update:
     metrics: dict[str, float]
     statistics: p.NDArrays = field(default_factory=dict)
     parsed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A reply whose update of one model part was over its bound (:meth:`ServerPart.bound`) and
+    was scaled down to it: the norm it had and the one it has now."""
+
+    partition_id: int
+    part: str
+    norm: float
+    bound: float
 
 
 @dataclass
@@ -155,6 +169,59 @@ class ServerPart:
 
     # ------------------------------------------------------------------ the round
 
+    def bound(self, state: ServerState, updates: list[Update]) -> tuple[list[Update], list[Scaled]]:
+        """The replies with each one's update of every model part it carries (``extractor``,
+        ``head``: its arrays minus those :meth:`model_for` sent its partition this round) scaled
+        down to at most ``max-norm-ratio`` times the median norm of the other replies' updates
+        of that part (``common.robust.bound_updates``); and those that were.
+
+        The glue calls it on every round's valid replies before :meth:`step`, whatever the
+        method: every rule that combines the replies' parts (the average, FedPAC's mixes,
+        FedCCFA's clusters, pFedVEM's confidence-weighted prior) then takes bounded updates. Each
+        part is bounded on its own, the extractor's and the head's norms being of other scales.
+        """
+        ratio = self.cfg.max_norm_ratio
+        if ratio <= 0 or len(updates) < 2:
+            return updates, []
+        sent = [self.model_for(state, u.partition_id) for u in updates]
+        parts = {part: [getattr(u, part) for u in updates] for part in (EXTRACTOR, HEAD)}
+        scaled = []
+        for part in self.method.shared_parts:
+            received = parts[part]
+            origins = [{key: model[key] for key in mine} for mine, model in zip(received, sent)]
+            bounded = bound_updates(received, origins, ratio)
+            parts[part] = bounded.arrays  # the same objects where within the bound
+            scaled += [Scaled(updates[i].partition_id, part, float(bounded.norms[i]), float(bounded.bounds[i]))
+                       for i in bounded.scaled]
+        if not scaled:
+            return updates, []
+        return [dataclasses.replace(u, extractor=extractor, head=head)
+                for u, extractor, head in zip(updates, parts[EXTRACTOR], parts[HEAD])], scaled
+
+    def average(self, parts: list[p.NDArrays], weights: np.ndarray) -> p.NDArrays:
+        """One shared part (the extractor, an averaged head) of the replies, combined by
+        ``shared-aggregation``: the sample-weighted mean (eq. 18), or the unweighted
+        coordinate-wise median or trimmed mean (``common.robust``). Every method's server step
+        averages its shared parts here."""
+        return aggregate(parts, weights, self.cfg.shared_aggregation, self.cfg.trim_fraction)
+
+    def class_means(self, updates: list[Update], server_round: int) -> np.ndarray:
+        """The replies' class means (``parsed["centroids"]``: FedPAC's local centroids, FedCCFA's
+        local anchors) as one (m, K, d) array, every row at most ``max-norm-ratio`` times the
+        median norm of the other replies' rows of its class (among those holding the class).
+
+        They are averaged into targets that every client's features are pulled to next round: a
+        row of 1e30 would make every client's alignment loss, and so its training, diverge.
+        """
+        means = np.stack([u.parsed["centroids"] for u in updates])
+        present = np.stack([u.parsed["class_counts"] for u in updates]) > 0
+        bounded, factors = bound_rows(means, present, self.cfg.max_norm_ratio)
+        over = sorted({updates[i].partition_id for i in np.flatnonzero((factors < 1.0).any(axis=1))})
+        if over:
+            log(WARNING, "Round %d: partitions %s report class means over max-norm-ratio = %g times the other "
+                "replies' median norm of the class; scaled down to it", server_round, over, self.cfg.max_norm_ratio)
+        return bounded
+
     def select(self, partitions: list[int], population: int, server_round: int, full: bool) -> list[int] | None:
         """The partitions that train this round, where the method draws them itself (pFedVEM's
         sample S_t); ``None``: the glue samples ``fraction-train`` of the nodes."""
@@ -172,7 +239,7 @@ class ServerPart:
         for part, section in ((self.method.extractor, EXTRACTOR), (self.method.head, HEAD)):
             # the base knows two rules: a part kept at the site (LOCAL) never reaches the server
             if part is Rule.AVERAGE:
-                state.shared[section] = weighted_average([getattr(u, section) for u in updates], weights)
+                state.shared[section] = self.average([getattr(u, section) for u in updates], weights)
         return StepResult()
 
     def closing_record(self, state: ServerState) -> dict[str, Any]:
@@ -218,5 +285,5 @@ def registered_outputs() -> list[Outputs]:
     return [server_class(method).outputs for method in METHODS.values()]
 
 
-__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "ServerPart", "ServerState", "StepResult", "Update",
+__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "Scaled", "ServerPart", "ServerState", "StepResult", "Update",
            "registered_outputs", "server_class", "server_part", "weighted_class_counts"]

@@ -13,7 +13,6 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.aggregation import Clustering, clustered_heads
-from common.averaging import weighted_average
 from common.config import FedPACConfig
 from common.methods.fedccfa import FedCCFA
 from common.methods.fedccfa.charts import clusters_chart, clusters_per_class, has_clusters
@@ -105,10 +104,10 @@ class Server(ServerPart):
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
         counts = weighted_class_counts(updates, weights)
-        state.shared[EXTRACTOR] = weighted_average([u.extractor for u in updates], weights)
+        state.shared[EXTRACTOR] = self.average([u.extractor for u in updates], weights)
         # the local class means are FedCCFA's local anchors a_k
         heads, clusters = clustered_heads([u.head for u in updates], [u.parsed["balanced_head"] for u in updates],
-                                          np.stack([u.parsed["centroids"] for u in updates]), counts, self.clustering)
+                                          self.class_means(updates, server_round), counts, self.clustering)
         for update, head in zip(updates, heads):
             state.keep(HEAD, update.partition_id, head)
         # anchors that are not all finite are not kept: the client would align to them next round

@@ -13,7 +13,6 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.aggregation import aggregate_centroids
-from common.averaging import weighted_average
 from common.collaboration import collaboration_weights, mix_heads
 from common.config import FedPACConfig
 from common.methods.fedpac import FedPAC
@@ -116,7 +115,7 @@ class Server(ServerPart):
         result = StepResult()
         if self.method.align:
             previous = state.shared[CENTROIDS]
-            centroids, mask = aggregate_centroids(np.stack([u.parsed["centroids"] for u in updates]),
+            centroids, mask = aggregate_centroids(self.class_means(updates, server_round),
                                                   weighted_class_counts(updates, weights),
                                                   previous[p.CENTROID_VALUES], previous[p.CENTROID_MASK])
             # alignment targets that are not all finite are not kept: every client would align to
@@ -132,7 +131,7 @@ class Server(ServerPart):
             collaboration = collaboration_weights(np.stack([u.parsed["h"] for u in updates]),
                                                   np.array([u.parsed["v"] for u in updates]), weights,
                                                   self.cfg.alpha_threshold, self.cfg.qp_solver)
-        state.shared[EXTRACTOR] = weighted_average([u.extractor for u in updates], weights)
+        state.shared[EXTRACTOR] = self.average([u.extractor for u in updates], weights)
         if collaboration is not None:  # without it each head stays at its site (Rule.LOCAL)
             new_heads = mix_heads([u.head for u in updates], collaboration.alpha)
             for update, head in zip(updates, new_heads):

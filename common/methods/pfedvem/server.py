@@ -148,7 +148,10 @@ class Server(ServerPart):
             [u.parsed["rho"] for u in updates], weights, [u.partition_id in sample for u in updates],
             state.shared[EXTRACTOR], (prior[weight_key], prior[bias_key]),
         )
-        state.shared[EXTRACTOR] = result.extractor
+        # the base over the replies aggregate_sample used, combined as every method's shared
+        # parts are (with shared-aggregation = mean: the same sample-weighted mean it took)
+        state.shared[EXTRACTOR] = (self.average([updates[i].extractor for i in result.used], weights[result.used])
+                                   if result.used else result.extractor)
         for update in updates:  # the posterior persists: never reset to w
             state.keep(HEAD, update.partition_id, dict(update.head))
         state.shared[HEAD] = {weight_key: result.weight, bias_key: result.bias}
