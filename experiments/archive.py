@@ -33,6 +33,12 @@ from experiments.runs import RunOutputs, read_run
 RESUME_FILES = frozenset({"checkpoint.npz", "final_state.npz"})
 
 
+def _for_resuming(name: str) -> bool:
+    """Whether a run folder's file only serves a resume (a finished run's archive leaves it out):
+    its checkpoint, the kept rounds' checkpoints, its final state."""
+    return name in RESUME_FILES or (name.startswith("checkpoint-round-") and name.endswith(".npz"))
+
+
 @dataclass(frozen=True)
 class Archived:
     """What :func:`archive_grid` did: the cells' archives, those written anew, and archives in
@@ -66,7 +72,7 @@ def cell_files(cell: Path, full_rounds: int) -> list[Path]:
     for run in runs_to_keep(cell):
         done = run.finished and run.completed_rounds >= full_rounds
         files += sorted(path for path in run.directory.iterdir()
-                        if _archived(path) and not (done and path.name in RESUME_FILES))
+                        if _archived(path) and not (done and _for_resuming(path.name)))
     return files
 
 
