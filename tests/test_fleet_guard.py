@@ -275,7 +275,8 @@ def test_the_guard_refuses_another_flower(monkeypatch):
 
 def test_the_superlink_image_carries_the_launcher_s_modules():
     """The compose SuperLink runs /opt/fedpac/patient_superlink.py: its image must hold every
-    deploy/ module the launcher imports, the guard included, or the container fails at start."""
+    deploy/ module the launcher imports, the guard included, or the container fails at start
+    (or the image fails to build)."""
     needed, pending = set(), ["patient_superlink"]
     while pending:
         name = pending.pop()
@@ -288,3 +289,6 @@ def test_the_superlink_image_carries_the_launcher_s_modules():
     dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
     (copy,) = [line for line in dockerfile.splitlines() if line.startswith("COPY deploy/patient_superlink.py")]
     assert {f"deploy/{name}.py" for name in needed} <= set(copy.split()), copy
+    # and the build context must carry them: .dockerignore excludes everything it does not name
+    allowed = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert {f"deploy/{name}.py" for name in needed} <= allowed, allowed
