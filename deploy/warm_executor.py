@@ -269,11 +269,17 @@ def round_timeout_of(run_config: Mapping[str, object]) -> float | None:
     value = run_config.get(ROUND_TIMEOUT_KEY)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
+    seconds = _seconds(str(value))
+    return seconds if seconds else None
+
+
+def _seconds(value: str) -> float | None:
+    """``value`` as a finite number of seconds >= 0, or None when it is not one."""
     try:
         seconds = float(value)
     except ValueError:
         return None
-    return seconds if math.isfinite(seconds) and seconds > 0 else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -705,11 +711,8 @@ def parser() -> argparse.ArgumentParser:
 
 def idle_timeout_of(value: str) -> float:
     """``--run-idle-timeout`` in seconds, or exit naming the option and its environment variable."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
+    seconds = _seconds(value)
+    if seconds is None:
         sys.exit(f"warm_executor: --run-idle-timeout (env FEDPAC_WORKER_IDLE_TIMEOUT) must be 0 (never) or a "
                  f"number of seconds, got {value!r}")
     return seconds
@@ -720,11 +723,8 @@ def task_deadline_of(value: str) -> TaskDeadline:
     (0: none); else exit naming the option and its environment variable."""
     if value.strip() == ROUND_TIMEOUT_KEY:
         return TaskDeadline()
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
+    seconds = _seconds(value)
+    if seconds is None:
         sys.exit(f"warm_executor: --task-timeout (env FEDPAC_TASK_TIMEOUT) must be '{ROUND_TIMEOUT_KEY}' (each "
                  f"run's), 0 (none) or a number of seconds, got {value!r}")
     return TaskDeadline(seconds)
