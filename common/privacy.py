@@ -218,12 +218,12 @@ def active() -> PrivateSite | None:
 # ---------------------------------------------------------------------------------- DP-SGD
 
 
-def steps_per_epoch(num_samples: int, batch_size: int) -> int:
+def steps_per_epoch(num_samples: float, batch_size: int) -> int:
     """Poisson-sampled steps in one epoch: as many as minibatches of ``batch_size`` there are."""
     return max(1, math.ceil(num_samples / batch_size))
 
 
-def sample_rate(num_samples: int, batch_size: int) -> float:
+def sample_rate(num_samples: float, batch_size: int) -> float:
     """q = batch-size / n, at most 1."""
     return min(1.0, batch_size / num_samples)
 

@@ -47,6 +47,7 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     device: torch.device,
     module: nn.Module,
     penalty: Callable[[], torch.Tensor] | None = None,
+    public_size: float | None = None,
 ) -> float:
     """The epoch loop every routine trains with: ``epochs`` passes over a fresh shuffle of the
     ``num_samples`` samples, one ``optimizer`` step per minibatch on ``batch_loss(indices)`` (a
@@ -56,7 +57,10 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     With differential privacy on at this site (``common.privacy.active``) each step is DP-SGD's
     instead: a Poisson sample of the records, each record's gradient clipped, Gaussian noise on
     their sum, the penalty's gradient added after the noise, the steps recorded in the site's
-    ledger.
+    ledger. The sampling rate and the number of steps are made of the number of records, which
+    is public (the site announces n); ``public_size`` replaces it when the trained set is a
+    random subset of the site's records whose size is not public (FedCCFA's balanced sample):
+    its expected size, computed from what the site released.
 
     Returns the mean loss over every sample seen (0 when no epoch ran). The running sum stays on
     the device: reading a loss back every step would wait for the GPU each time.
@@ -65,8 +69,9 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     if site is None:
         batches = (idx for _ in range(epochs) for idx in _batches(num_samples, batch_size, generator, device))
     else:
-        rate = privacy.sample_rate(num_samples, batch_size)
-        steps = epochs * privacy.steps_per_epoch(num_samples, batch_size)
+        size = num_samples if public_size is None else public_size
+        rate = privacy.sample_rate(size, batch_size)
+        steps = epochs * privacy.steps_per_epoch(size, batch_size)
         batches = (privacy.poisson_batch(num_samples, rate, generator, device) for _ in range(steps))
     total, seen = torch.zeros((), device=device), 0
     with privacy.PerSampleGradients(module) if site is not None else nullcontext() as per_sample:
@@ -80,7 +85,7 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
                 total += loss.detach() * len(idx)
                 seen += len(idx)
             if site is not None and per_sample is not None:  # both, or neither
-                _privatize(per_sample, site, rate * num_samples, len(idx), penalty)
+                _privatize(per_sample, site, rate * size, len(idx), penalty)
             optimizer.step()
     if site is not None:
         site.ledger.record(site.settings.noise_multiplier, rate, steps)
@@ -107,8 +112,10 @@ def train_head(  # pylint: disable=too-many-arguments
     generator: torch.Generator,
     epochs: int | None = None,
     lr: float | None = None,
+    public_size: float | None = None,
 ) -> float:
-    """Epochs of the head alone on frozen features; returns the mean CE.
+    """Epochs of the head alone on frozen features; returns the mean CE (``public_size``:
+    :func:`sgd_epochs`).
 
     Defaults to FedPAC's ``head-epochs`` at ``head-lr`` (also FedCCFA's personal head); FedRep,
     FedAvg-FT and FedCCFA's balanced head pass their own.
@@ -132,7 +139,8 @@ def train_head(  # pylint: disable=too-many-arguments
         with autocast(x, cfg):
             return F.cross_entropy(model.head(features[idx]).float(), y[idx])
 
-    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device, model.head)
+    return sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device, model.head,
+                      public_size=public_size)
 
 
 def train_extractor(  # pylint: disable=too-many-arguments

@@ -21,7 +21,7 @@ from common import protocol as p
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
 from common.methods.client import ClientResult, LocalData, Received, client_routine
-from common.methods.fedccfa.client import balanced_sample, contrastive_alignment_loss
+from common.methods.fedccfa.client import balanced_sample, contrastive_alignment_loss, released_balanced_sample
 from common.methods.fedccfa.server import ANCHORS, GLOBAL_ANCHORS
 from common.methods.server import HEAD
 from common.model import HEAD_PREFIX, FedPACNet
@@ -83,6 +83,31 @@ def test_balanced_sample_takes_m_of_every_present_class_without_replacement():
     assert sorted(idx.tolist()) != sorted(other.tolist())  # a fresh draw per round
 
 
+def test_a_private_balanced_sample_moves_by_the_added_record_only():
+    """Under DP a record's draw depends only on released counts: one record more changes the
+    sample by that record at most (the exact-count sample moved dozens of records)."""
+    generator = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 10, (600,), generator=generator)
+    released = torch.bincount(y, minlength=10).to(torch.float64) + torch.randn(10, generator=generator) * 3
+    for added in range(10):
+        grown = torch.cat([y, torch.tensor([added])])
+        before, size = released_balanced_sample(y, 5, released, torch.Generator().manual_seed(7))
+        after, grown_size = released_balanced_sample(grown, 5, released, torch.Generator().manual_seed(7))
+        assert set(after.tolist()) - {len(y)} == set(before.tolist())
+        assert size == grown_size  # DP-SGD's rate on it: released values only
+
+
+def test_a_private_balanced_sample_draws_m_per_class_in_expectation():
+    y = torch.tensor([0] * 400 + [2] * 100 + [5] * 8)
+    released = torch.tensor([390.0, 0.0, 110.0, 0.0, 0.0, 10.0])  # m = min(50, 10)
+    samples = [released_balanced_sample(y, 50, released, torch.Generator().manual_seed(s))[0] for s in range(400)]
+    draws = torch.stack([torch.bincount(y[idx], minlength=6) for idx in samples]).to(torch.float64)
+    expected_size = released_balanced_sample(y, 50, released, torch.Generator())[1]
+    assert expected_size == 30.0
+    rates = draws.mean(dim=0) / torch.tensor([400.0, 1.0, 100.0, 1.0, 1.0, 8.0])
+    assert torch.allclose(rates[[0, 2, 5]], torch.tensor([10 / 390, 10 / 110, 1.0], dtype=torch.float64), atol=0.02)
+
+
 def _client_data():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(40, 1, 28, 28, generator=generator)
@@ -135,6 +160,29 @@ def test_a_first_participant_starts_its_personal_head_from_its_balanced_head():
                                                  config={p.HAS_PERSONAL_HEAD: False}), cfg)
     for key, value in model.head.state_dict().items():  # zero personal-head epochs: unchanged since
         torch.testing.assert_close(value, torch.from_numpy(update.statistics[BALANCED[key]]))
+
+
+def test_a_private_balanced_head_trains_on_the_sample_of_the_released_counts(monkeypatch):
+    """Under DP the balanced head's sample is drawn from the counts the reply releases, and
+    DP-SGD's rate on it is made of the sample's expected size, never of the exact counts."""
+    from common.methods.fedccfa import client as fedccfa_client  # pylint: disable=import-outside-toplevel
+    from common.privacy import PrivacySettings, private_site  # pylint: disable=import-outside-toplevel
+
+    drawn = []
+
+    def spy(y, per_class, counts, generator):
+        drawn.append(counts.clone())
+        return released_balanced_sample(y, per_class, counts, generator)
+
+    monkeypatch.setattr(fedccfa_client, "released_balanced_sample", spy)
+    monkeypatch.setattr(fedccfa_client, "balanced_sample", None)  # the exact-count draw: never under DP
+    x, y = _client_data()
+    cfg = FedPACConfig(strategy="fedccfa", local_epochs=1, batch_size=8, balanced_epochs=1, head_epochs=0)
+    with private_site(PrivacySettings(noise_multiplier=1.0, statistics_noise_multiplier=2.0), 5) as site:
+        update = _local_update(_model(0), x, y, Received(sections={p.INITIAL_HEAD: _initial_head(_model(1))}), cfg)
+    assert len(drawn) == 1 and drawn[0].tolist() == update.statistics[p.CLASS_COUNTS].tolist()
+    expected = float(drawn[0].clamp(max=min(5.0, float(drawn[0][drawn[0] > 0].min())))[drawn[0] > 0].sum())
+    assert min(1.0, 8 / expected) in [rate for _, rate, _ in site.ledger.history]
 
 
 @pytest.mark.parametrize("server_round, aligned", [(20, False), (21, True)])

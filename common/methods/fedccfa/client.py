@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import privacy
 from common import protocol as p
 from common.clustering import entropy_weight
 from common.config import FedPACConfig
@@ -52,6 +53,29 @@ def balanced_sample(y: torch.Tensor, per_class: int, generator: torch.Generator)
     return torch.cat(chosen).to(y.device)
 
 
+def released_balanced_sample(y: torch.Tensor, per_class: int, counts: torch.Tensor,
+                             generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """The balanced sample of a site under differential privacy, and its expected size.
+
+    :func:`balanced_sample` reads the exact class counts: one record more can change m and every
+    class's draw, so the sample (and the DP-SGD run on it) would not be one record away from the
+    neighbouring dataset's. Here ``counts`` are the class counts the site releases this round
+    (noised, ``common.training.class_counts``) and every record is drawn on its own, with
+    probability min(1, m / n_c) for its class c (m = min(``per_class``, the smallest released
+    count of a class released as present)): what decides a record's draw is released, so one
+    record more or less changes the sample by that record at most. Each class gives m records in
+    expectation; the expected size, also made of released values only, is what DP-SGD's sampling
+    rate on the sample is made of (``common.training.sgd_epochs``'s ``public_size``)."""
+    counts = counts.to(torch.float64).cpu()
+    present = counts > 0
+    if not bool(present.any()):
+        return torch.zeros(0, dtype=torch.long, device=y.device), 0.0
+    m = min(float(per_class), float(counts[present].min()))
+    rates = torch.where(present, (m / counts.clamp(min=1.0)).clamp(max=1.0), torch.zeros_like(counts))
+    chosen = torch.rand(len(y), generator=generator, dtype=torch.float64) < rates[y.cpu()]
+    return torch.nonzero(chosen).flatten().to(y.device), float(counts.clamp(max=m)[present].sum())
+
+
 class Routine(ClientRoutine):
     """FedCCFA's round.
 
@@ -79,8 +103,12 @@ class Routine(ClientRoutine):
         initial = {key.removeprefix(HEAD_PREFIX): torch.as_tensor(np.array(value), device=x.device)
                    for key, value in received.sections.get(p.INITIAL_HEAD, {}).items()}
         model.head.load_state_dict(initial)
-        sample = balanced_sample(y, cfg.balanced_samples_per_class, generator)
-        train_head(model, x[sample], y[sample], cfg, generator, epochs=cfg.balanced_epochs, lr=cfg.balanced_lr)
+        if privacy.active() is None:
+            sample, public_size = balanced_sample(y, cfg.balanced_samples_per_class, generator), None
+        else:
+            sample, public_size = released_balanced_sample(y, cfg.balanced_samples_per_class, counts, generator)
+        train_head(model, x[sample], y[sample], cfg, generator, epochs=cfg.balanced_epochs, lr=cfg.balanced_lr,
+                   public_size=public_size)
         balanced = head_state(model)
         if bool(received.config.get(p.HAS_PERSONAL_HEAD, False)):
             model.head.load_state_dict(personal)
