@@ -59,6 +59,10 @@ class SiteBinding:
         # the operator's (partition-map), else as the clients report it at discovery
         self.num_partitions: int | None = self.sites.declared_size()
         self.discovery_timeout: float | None = None  # set once discover() has run
+        # nodes that did not answer a query during the run: when each may be asked again, and
+        # the back-off after its next silence (doubling: a hung site costs a few waits, not one
+        # a round)
+        self._silent: dict[int, tuple[float, float]] = {}
 
     @property
     def node_partition(self) -> dict[int, int]:
@@ -138,7 +142,7 @@ class SiteBinding:
             screened, identities, refused = self._screen(grid, excluded)
             if exclusive:
                 self._require_enough(excluded, len(self._candidates(grid)))
-            nodes = [n for n in screened if n not in self.node_partition]
+            nodes = [n for n in screened if n not in self.node_partition and self._may_ask(n, strict)]
             if not nodes:
                 if strict and refused:  # the refused counted towards min_available_nodes
                     continue
@@ -150,12 +154,16 @@ class SiteBinding:
                 log(WARNING, "discovery: node %d went offline before it answered; left out", node)
             answered = {node for node, _ in replies}
             silent = [node for node in nodes if node not in answered and node not in gone]
+            for node in answered:
+                self._silent.pop(node, None)
             if silent and exclusive:
                 for node in silent:
                     self._exclude(node, f"it did not answer the pre-flight within {timeout:.0f}s", excluded)
                 refused = True
-            elif silent:
+            elif silent and strict:
                 problems.append(f"{len(silent)} node(s) did not answer within {timeout:.0f}s")
+            elif silent:
+                self._back_off(silent, timeout)
             if problems and strict:
                 raise RuntimeError("clients are not ready to train:\n  " + "\n  ".join(problems))
             for problem in problems:
@@ -168,6 +176,21 @@ class SiteBinding:
         if exclusive:
             self._require_enough(excluded, len([n for n in grid.get_node_ids() if n in self.node_partition]))
         return dict(self.node_partition)
+
+    def _may_ask(self, node: int, strict: bool) -> bool:
+        """Whether discovery may query ``node`` now: always before round 1; during the run, not
+        before the back-off of its last silence has passed."""
+        return strict or time.monotonic() >= self._silent.get(node, (0.0, 0.0))[0]
+
+    def _back_off(self, silent: list[int], timeout: float) -> None:
+        """Nodes that did not answer a query during the run are not asked again, and so not
+        waited for, until a back-off has passed: DISCOVERY_ATTEMPT, doubling at every silence."""
+        now = time.monotonic()
+        for node in silent:
+            pause = 2 * self._silent[node][1] if node in self._silent else DISCOVERY_ATTEMPT
+            self._silent[node] = (now + pause, pause)
+            log(WARNING, "discovery: node %d did not answer within %.0fs; not asked again for %.0fs", node, timeout,
+                pause)
 
     def _require_enough(self, excluded: Exclusions, remaining: int) -> None:
         """Stop the run when the pre-flight excluded a site and fewer than ``min_available_nodes``

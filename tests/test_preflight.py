@@ -171,3 +171,32 @@ def test_too_few_sites_left_stops_the_run_naming_every_node_left_out_and_why():
     assert f"node {site[2]}: it did not answer the pre-flight within 1s" in message
     assert f"node {2**62}: its identity (name 'stranger') serves no partition" in message
     assert not any(m.metadata.message_type == MessageType.TRAIN for m in grid.sent)
+
+
+def test_a_node_silent_at_discovery_during_the_run_is_not_waited_for_every_round(caplog, monkeypatch):
+    """Site 1's SuperNode restarts under a new node id after the pre-flight, and its ClientApp
+    never answers the query that binds it. Discovery during the run asks it once, then backs off
+    (it used to ask, and wait for it, at every round); once the back-off has passed it is asked
+    again, and bound when it answers."""
+    grid, site = _grid(3, tamper=_faulty_query("silent"), tamper_queries=True)
+    grid.tamper = None  # the pre-flight goes well
+    strategy = _strategy(min_available_nodes=2)
+    strategy.discover(grid, timeout=1)
+    del grid.contexts[site[1]], grid.partition_of_node[site[1]]
+    restarted = 2**62
+    _configure(grid, restarted, 1, 3)
+    grid.tamper = _faulty_query("silent")
+    def queries() -> int:
+        return sum(m.metadata.dst_node_id == restarted and m.metadata.message_type == "query" for m in grid.sent)
+
+    asked = []
+    with caplog.at_level(logging.WARNING):
+        for server_round in (1, 2, 3):
+            list(strategy.configure_train(server_round, p.to_record(strategy.extractor), ConfigRecord(), grid))
+            asked.append(queries())
+    assert asked[0] >= 1 and asked[2] == asked[0]  # asked in round 1 only
+    assert f"node {restarted} did not answer within" in caplog.text and "not asked again for 120s" in caplog.text
+    strategy._silent[restarted] = (0.0, 120.0)  # pylint: disable=protected-access  # the back-off has passed
+    grid.tamper = None
+    sent = list(strategy.configure_train(4, p.to_record(strategy.extractor), ConfigRecord(), grid))
+    assert strategy.node_partition[restarted] == 1 and restarted in {m.metadata.dst_node_id for m in sent}
