@@ -23,6 +23,10 @@ objects; the ServerApp's, for a reply's) wait up to ``FEDPAC_SUPERLINK_OBJECT_WA
 
 Its Fleet API takes from a SuperNode only that node's own replies to the server
 (``deploy/fleet_guard.py``): a node cannot push instructions to another node, nor answer in its name.
+And it counts a reply's bytes as the node pushes them (``deploy/size_guard.py``): an object, or a
+reply's objects together, larger than a reply of that run can be (2 x the largest instruction the
+ServerApp pushed in the run + about 6 MiB, or ``FEDPAC_SUPERLINK_MAX_REPLY_BYTES``) is refused
+before it is stored, so a hostile site cannot fill the ServerApp's memory with one reply.
 
 ``deploy/superlink.sh`` and the compose cluster start the SuperLink this way. A test checks that
 Flower's pragma list still has the entry this replaces.
@@ -46,6 +50,7 @@ from flwr.superlink.cli.flower_superlink import flower_superlink  # noqa: E402
 from flwr.superlink.servicer.runtime import runtime_handlers  # noqa: E402
 
 import fleet_guard  # noqa: E402
+import size_guard  # noqa: E402
 from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment  # noqa: E402
 
 
@@ -79,7 +84,8 @@ def _has_messages(response) -> bool:  # noqa: ANN001  # a PullMessagesResponse o
 
 
 def main() -> None:
-    fleet_guard.install()
+    size_guard.install()  # FEDPAC_SUPERLINK_MAX_REPLY_BYTES, else derived from each run's instructions
+    fleet_guard.install()  # installed last, so it runs first: a push in another node's name is refused as such
     long_poll_messages(wait_from_environment("FEDPAC_SUPERLINK_PULL_WAIT", 2.0))
     long_poll_objects(wait_from_environment("FEDPAC_SUPERLINK_OBJECT_WAIT", 2.0))
     raw = os.environ.get("FEDPAC_SUPERLINK_BUSY_TIMEOUT_MS", "60000")

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -181,9 +181,10 @@ class Federation(Workstation):
             self.close()
             raise RuntimeError(f"{err}:\n{self.read_log('superlink')[-3000:]}") from err
 
-    def _spawn(self, host: str, name: str, command: list[str]) -> subprocess.Popen:
+    def _spawn(self, host: str, name: str, command: list[str],
+               environment: Mapping[str, str] | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115  # closed with the process
-        return subprocess.Popen([*self.prefix(host), *command], env=self.env, stdout=log,
+        return subprocess.Popen([*self.prefix(host), *command], env={**self.env, **(environment or {})}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def read_log(self, name: str) -> str:
@@ -194,11 +195,14 @@ class Federation(Workstation):
 
     def start_node(self, pid: int, *, data_path: Path | None = None, key: int | None = None,
                    restarts: int = 18, executor: str = "warm", model_dir: Path | None = None,
-                   label: str | None = None) -> subprocess.Popen:
+                   label: str | None = None, options: Sequence[str] = (),
+                   environment: Mapping[str, str] | None = None) -> subprocess.Popen:
         """SuperNode ``pid`` (authenticating with key ``key``, by default its own), its ClientApp
         run by ``executor`` (``warm`` or Flower's own ``cold``), its model kept in ``model_dir``
         (default: ``<workdir>/models/client-<pid>``); ``label`` (default ``pid``) names its
-        process and its log, ``supernode-<label>.log``, for a second node claiming ``pid``."""
+        process and its log, ``supernode-<label>.log``, for a second node claiming ``pid``;
+        ``options``: more of ``supernode.sh``'s (a site's policy); ``environment``: more
+        variables for its processes."""
         label = str(pid) if label is None else label
         key_file = self.certs / "keys" / f"supernode-{pid if key is None else key}"
         command = [str(ROOT / "deploy" / "supernode.sh"), "--superlink", self.fleet_address,
@@ -208,7 +212,8 @@ class Federation(Workstation):
                    "--model-dir", str(model_dir or self.workdir / "models" / f"client-{label}")]
         if data_path is not None:
             command += ["--data-path", str(data_path)]
-        self.supernodes[label] = self._spawn(f"node-{label}", f"supernode-{label}", command)
+        command += options
+        self.supernodes[label] = self._spawn(f"node-{label}", f"supernode-{label}", command, environment)
         return self.supernodes[label]
 
     def nodes(self) -> list[dict]:

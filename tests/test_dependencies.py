@@ -59,7 +59,7 @@ NOT_IMPORTED = {
     "mutmut": "a command: bench/mutation.py runs it",
     "pytest-xdist": "a pytest plugin: make test-fast runs the quick tier with it (-n auto)",
 }
-PATCH_MODULES = ("fast_supernode", "patient_superlink", "fleet_guard", "warm_executor", "long_poll")
+PATCH_MODULES = ("fast_supernode", "patient_superlink", "fleet_guard", "size_guard", "warm_executor", "long_poll")
 
 
 def normalized(name: str) -> str:

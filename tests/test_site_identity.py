@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from tests.prerequisites import require_linux
 pytestmark = pytest.mark.e2e
 
 SITES = (0, 1)
+HOSTILE_SITE = Path(__file__).resolve().parent / "hostile_site"
 CERTS = ROOT / "deploy" / "certs.sh"
 ROGUES = (2, 3)  # enrolled keys, registered as supernode-2 and supernode-3: no partition of a 2-site run
 
@@ -62,8 +64,11 @@ def federation(tmp_path_factory):
     work = tmp_path_factory.mktemp("federation")
     fed = Federation(work, create_certificates(work / "certs", len(SITES) + len(ROGUES)), num_nodes=len(SITES))
     fed.node_ids = fed.register(*SITES, *ROGUES)
+    # site 1's machine is compromised (tests/hostile_site): honest until its padding flag is set
+    fed.padding_flag = work / "pad-replies"
     for pid in SITES:
-        fed.start_node(pid)
+        fed.start_node(pid, environment={"PYTHONPATH": str(HOSTILE_SITE), "FEDPAC_TEST_PAD_REPLIES":
+                                         str(fed.padding_flag)} if pid == 1 else None)
     fed.wait_online(len(SITES))
     yield fed
     fed.close()
@@ -164,6 +169,57 @@ def test_enrolled_rogue_nodes_claiming_site_0_get_nothing_and_change_nothing(fed
         np.testing.assert_array_equal(with_rogues[key], value, err_msg=key)
     for label in ("rogue-pre", "rogue-mid"):
         federation.supernodes.pop(label).terminate()
+
+
+class PeakMemory:
+    """The largest peak resident memory (VmHWM) of any ServerApp process (``flwr-serverapp``)
+    seen while the block runs, read from /proc twice a second."""
+
+    def __init__(self) -> None:
+        self.peak_kib = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.5):
+            for proc in Path("/proc").iterdir():
+                try:
+                    if proc.name.isdigit() and b"flwr-serverapp" in (proc / "cmdline").read_bytes():
+                        status = (proc / "status").read_text()
+                        self.peak_kib = max(self.peak_kib, int(status.split("VmHWM:")[1].split()[0]))
+                except (OSError, IndexError, ValueError):  # gone meanwhile, or a kernel thread
+                    continue
+
+
+def test_an_oversize_reply_is_refused_where_it_enters_and_never_reaches_the_serverapp(federation, tmp_path):
+    """Site 1, enrolled and bound to its partition, answers a training message with a reply 256
+    MiB larger than an honest one: the SuperLink refuses it while it is pushed (its log names the
+    node), the run completes with site 0's reply, and the ServerApp's peak memory stays that of
+    an honest run (it used to pull and inflate every byte before its own size check)."""
+    padding = 256 * 2**20
+    peaks = {}
+    for hostile in (False, True):
+        if hostile:
+            federation.padding_flag.write_text(str(padding))
+        out = tmp_path / ("hostile" if hostile else "honest")
+        try:
+            with PeakMemory() as memory:
+                run_id = _run(federation, out, 1, "min-available-clients=2 round-timeout=60")
+                assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        finally:
+            federation.padding_flag.unlink(missing_ok=True)
+        peaks[hostile] = memory.peak_kib * 1024
+    assert f"Refused PushObject from node {federation.node_ids[1]}" in federation.read_log("superlink")
+    assert int(rounds_of(out)[0]["num_trained"]) == 1  # site 0's reply; site 1's never arrived
+    assert 0 < peaks[True] < peaks[False] + padding // 4, peaks
 
 
 def test_a_revoked_node_is_refused_from_its_next_request_and_the_run_goes_on(federation, tmp_path):
