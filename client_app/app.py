@@ -402,6 +402,8 @@ def train(msg: Message, context: Context) -> Message:
     server_round = server_round_of(msg, cfg)
     evaluate_round = evaluate_round_of(msg, server_round)
     store = site_store(msg, context, cfg)
+    if store is not None:
+        store.check_round(server_round)
     kept = store.load(server_round - 1) if store is not None else {}
     model = _model_from(sections, kept, method, cfg, device)
     evaluation = None
@@ -502,7 +504,8 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     goes back. Labels are the client's concept of that round. In the rounds ``generalized_due``
     names, a client that trains on a slice of the run's dataset also reports the generalized
     accuracy: the whole test set relabelled with its concept (a deployed site with its own data
-    folder has no such test set and reports none).
+    folder has no such test set and reports none). A site whose node config says
+    ``withhold-metrics`` evaluates and keeps its model all the same, and reports only that it did.
     """
     started = time.perf_counter()
     partition_id, _ = partition_of(context)
@@ -511,6 +514,8 @@ def _evaluation(model: FedPACNet, cfg: FedPACConfig, context: Context, server_ro
     model = _before_evaluation(model, data, cfg, context, server_round)
     loss, accuracy = evaluate_model(model, data.x_test, data.y_test)
     _keep_site_model(model, cfg, context, server_round, accuracy)
+    if SitePolicy.from_node_config(context.node_config).withhold_metrics:
+        return MetricRecord({p.PARTITION_ID: partition_id, p.NUM_EXAMPLES: len(data.y_test), p.METRICS_WITHHELD: 1})
     metrics = MetricRecord(
         {
             p.PARTITION_ID: partition_id,

@@ -84,6 +84,8 @@ PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 EVAL_SECONDS = "eval-seconds"  # client-side compute of an evaluation
+# 1: the site evaluated and kept its metrics to itself (node config withhold-metrics)
+METRICS_WITHHELD = "metrics-withheld"
 V = "v"
 SERVER_ROUND = "server-round"
 EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries

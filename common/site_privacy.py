@@ -200,16 +200,19 @@ class SitePolicy:
     ``required``: DP on (``dp-required``); ``epsilon_budget``: the site's own budget over its
     ledger (``dp-epsilon-budget``, 0: none), which a run's budget can only lower;
     ``min_noise_multiplier`` / ``min_statistics_noise_multiplier``: floors on the noise in force
-    (after any calibration); ``max_delta``: the largest delta it accepts."""
+    (after any calibration); ``max_delta``: the largest delta it accepts; ``withhold_metrics``:
+    its evaluations' accuracy and loss stay at the site (``withhold-metrics``), since they
+    describe its test records, which DP does not cover."""
 
     required: bool = False
     epsilon_budget: float = 0.0
     min_noise_multiplier: float = 0.0
     min_statistics_noise_multiplier: float = 0.0
     max_delta: float = 0.0
+    withhold_metrics: bool = False
 
     KEYS = ("dp-required", "dp-epsilon-budget", "dp-min-noise-multiplier", "dp-min-statistics-noise-multiplier",
-            "dp-max-delta")
+            "dp-max-delta", "withhold-metrics")
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, object]) -> SitePolicy:
@@ -220,11 +223,14 @@ class SitePolicy:
                 raise ValueError(f"node config {key} = {value!r}: a number >= 0")
             return float(value)
 
-        required = node_config.get("dp-required", False)
-        if not isinstance(required, bool):
-            raise ValueError(f"node config dp-required = {required!r}: true or false")
-        return cls(required, number("dp-epsilon-budget"), number("dp-min-noise-multiplier"),
-                   number("dp-min-statistics-noise-multiplier"), number("dp-max-delta"))
+        def flag(key: str) -> bool:
+            value = node_config.get(key, False)
+            if not isinstance(value, bool):
+                raise ValueError(f"node config {key} = {value!r}: true or false")
+            return value
+
+        return cls(flag("dp-required"), number("dp-epsilon-budget"), number("dp-min-noise-multiplier"),
+                   number("dp-min-statistics-noise-multiplier"), number("dp-max-delta"), flag("withhold-metrics"))
 
     def budget(self, run_budget: float) -> float:
         """The budget in force: the tighter of the site's and the run's (0: neither has one)."""

@@ -98,6 +98,16 @@ class SiteStore:
                 return run, valid[-1]
         return None
 
+    def check_round(self, server_round: int) -> None:
+        """Refuse a round before the newest this run kept (``ValueError``): within one run the
+        rounds only go forward, so a message naming an earlier round is not the server's run
+        going on, and answering it would write state out of order. The same round again (an
+        honest repeat gets the same release) and any later one of the run pass."""
+        rounds = self._rounds(self.lineage[-1][0])
+        if rounds and server_round < rounds[-1]:
+            raise ValueError(f"round {server_round} goes back: this run's site state is already at round "
+                             f"{rounds[-1]} (a run's rounds only go forward)")
+
     def load(self, up_to: int) -> dict[str, NDArrays]:
         """Everything kept after the newest round <= ``up_to``, by name ({} before the first)."""
         found = self.newest_round(up_to)

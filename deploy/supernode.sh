@@ -12,7 +12,14 @@
 #     --privacy-policy "KEY=VALUE ..."
 #                       the site's own privacy policy, which no run can lower (docs/CONFIGURATION.md,
 #                       Node config): dp-required=true, dp-epsilon-budget=E,
-#                       dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D
+#                       dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D,
+#                       withhold-metrics=true (its evaluations' accuracy and loss stay at the site)
+#     --approved-apps "SHA256 ..."
+#                       the only app versions this site runs: the SHA-256 digests of their FAB
+#                       files (`sha256sum NAME.fab`; of an app's folder as `flwr run` bundles it:
+#                       python deploy/warm_executor.py --fab-digest DIR), separated by commas or
+#                       spaces (node config approved-apps). The warm executor refuses any other
+#                       app before installing it; the cold one cannot check, so it refuses to start
 #     --port            local port of the SuperNode's runtime API for its ClientApp (127.0.0.1)
 #     --executor KIND   warm (default): deploy/warm_executor.py runs every message of a run in
 #                       that run's own long-lived process, never shared with another run and
@@ -46,6 +53,7 @@ need_file() {
 }
 
 superlink="" ca="" ca_opt="--ca" key="" pid="" num="" data="" data_given="" models="fedpac-model" port="9094" policy=""
+approved=""
 restarts=18 delay=10 executor="warm"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -58,6 +66,7 @@ while [ $# -gt 0 ]; do
     --data-path) value "$@"; data="$2"; data_given=1; shift 2 ;;
     --model-dir) value "$@"; models="$2"; shift 2 ;;
     --privacy-policy) value "$@"; policy="$2"; shift 2 ;;
+    --approved-apps) value "$@"; approved="$2"; shift 2 ;;
     --executor) value "$@"; executor="$2"; shift 2 ;;
     --port) value "$@"; port="$2"; shift 2 ;;
     --restarts) value "$@"; restarts="$2"; shift 2 ;;
@@ -85,6 +94,10 @@ fi
 [ -n "$num" ] || die "--num-partitions is required (the number of partitions, a positive integer)"
 [[ "$num" =~ ^[0-9]*[1-9][0-9]*$ ]] || die "--num-partitions $num: not a positive integer"
 [ "$executor" = warm ] || [ "$executor" = cold ] || die "--executor $executor: is warm or cold"
+# The check of the app's version runs in deploy/warm_executor.py, the site's own code; Flower's
+# flwr-clientapp would install and run any app whatever the node config says.
+[ -z "$approved" ] || [ "$executor" = warm ] ||
+  die "--approved-apps needs --executor warm: the cold executor (Flower's flwr-clientapp) runs any app and cannot refuse one"
 { [[ "$port" =~ ^[0-9]{1,5}$ ]] && [ $((10#$port)) -ge 1 ] && [ $((10#$port)) -le 65535 ]; } ||
   die "--port $port: not a port number (1-65535)"
 [[ "$restarts" =~ ^[0-9]+$ ]] || die "--restarts $restarts: not a non-negative integer"
@@ -103,10 +116,21 @@ command -v flower-supernode >/dev/null ||
 node_config="partition-id=$pid num-partitions=$num model-dir=\"$(cd "$models" && pwd)\""
 read -r -a entries <<< "$policy"
 for entry in "${entries[@]}"; do  # only the policy's own keys: the partition and folders have options of their own
-  [[ "$entry" =~ ^(dp-required=(true|false)|dp-(epsilon-budget|min-noise-multiplier|min-statistics-noise-multiplier|max-delta)=[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?)$ ]] ||
-    die "--privacy-policy: '$entry' is not one of dp-required=true|false, dp-epsilon-budget=E, dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D"
+  [[ "$entry" != approved-apps=* ]] || die "--privacy-policy: the app versions have an option of their own, --approved-apps \"SHA256 ...\""
+  [[ "$entry" =~ ^((dp-required|withhold-metrics)=(true|false)|dp-(epsilon-budget|min-noise-multiplier|min-statistics-noise-multiplier|max-delta)=[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?)$ ]] ||
+    die "--privacy-policy: '$entry' is not one of dp-required=true|false, dp-epsilon-budget=E, dp-min-noise-multiplier=S, dp-min-statistics-noise-multiplier=S, dp-max-delta=D, withhold-metrics=true|false"
   node_config+=" $entry"
 done
+if [ -n "$approved" ]; then
+  read -r -a digests <<< "${approved//,/ }"
+  [ ${#digests[@]} -gt 0 ] || die "--approved-apps: lists no digest (the SHA-256 of each FAB file this site runs)"
+  for digest in "${digests[@]}"; do
+    [[ "$digest" =~ ^[0-9a-fA-F]{64}$ ]] ||
+      die "--approved-apps: '$digest' is not a SHA-256 digest (64 hex digits, as sha256sum NAME.fab prints)"
+  done
+  list="${digests[*],,}"  # lower case, as the executor compares them
+  node_config+=" approved-apps=\"${list// /,}\""
+fi
 if [ -n "$data_given" ]; then
   node_config+=" data-path=\"$(cd "$data" && pwd)\""
 fi

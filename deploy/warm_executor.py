@@ -60,6 +60,16 @@ SuperNode dropped the reply's header while the worker still pushed its arrays, a
 fails for other reasons), so neither a heartbeat nor a push gives a clean signal that the run
 was stopped: the idle timeout covers a stopped run like a finished one.
 
+What a site runs is its own choice: with the node config key ``approved-apps`` (a comma- or
+space-separated list of SHA-256 digests of FAB files, ``sha256sum app.fab`` after ``flwr
+build``) a worker installs and loads a run's app only when the digest of the FAB's content it
+pulled is one of them, and answers any other task with an error reply (``INVALID_FAB``, the
+reason naming the key and the FAB's digest) and the task's status ``failed``: the app never runs.
+The check is here, in the site's own code, because the app is the server operator's code and
+cannot be trusted to check itself; Flower's ``flwr-clientapp`` (``supernode.sh --executor
+cold``) has no such check. Without the key every app runs; a value that is not a list of digests
+refuses every task (never read as "no list").
+
 One standby worker (torch imported, no app, no data) is started ahead, so that a run's first
 message does not pay the imports; it is started again after a run's worker was stopped, and
 there is never more than one.
@@ -84,10 +94,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import importlib
 import math
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import threading
@@ -282,6 +294,61 @@ def _seconds(value: str) -> float | None:
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
+APPROVED_APPS_KEY = "approved-apps"  # the node-config key of the app versions (FAB digests) a site runs
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def approved_apps_of(node_config: Mapping[str, object]) -> frozenset[str] | None:
+    """The FAB digests (lower-case SHA-256 hex) the site's node config ``approved-apps`` lists,
+    or None when the key is unset (every app runs). A value that is not a non-empty list of
+    64-hex-digit digests, separated by commas or white space, is a ValueError naming the key:
+    a typo must refuse every app, not let every app through."""
+    value = node_config.get(APPROVED_APPS_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"node config {APPROVED_APPS_KEY} = {value!r} is not a list of SHA-256 digests "
+                         "(a string of 64-hex-digit entries separated by commas or spaces)")
+    entries = [entry for entry in re.split(r"[\s,]+", value) if entry]
+    if not entries:
+        raise ValueError(f"node config {APPROVED_APPS_KEY} = {value!r} lists no app version")
+    for entry in entries:
+        if not _SHA256_HEX.fullmatch(entry):
+            raise ValueError(f"node config {APPROVED_APPS_KEY}: {entry!r} is not a SHA-256 digest (64 hex digits, "
+                             "as `sha256sum app.fab` prints)")
+    return frozenset(entry.lower() for entry in entries)  # hexdigest()'s case
+
+
+def app_refusal(node_config: Mapping[str, object], fab_digest: str) -> str | None:
+    """Why the site does not run the FAB whose content has SHA-256 ``fab_digest``, or None when
+    it does (its node config has no ``approved-apps``, or lists the digest). A malformed list
+    refuses every FAB."""
+    try:
+        approved = approved_apps_of(node_config)
+    except ValueError as err:
+        return f"site policy: {err}; this site runs no app until its node config is fixed"
+    if approved is None or fab_digest in approved:
+        return None
+    return (f"site policy: this site runs only the app versions in its node config's {APPROVED_APPS_KEY}; "
+            f"FAB {fab_digest} is not one of them")
+
+
+def fab_digest_of(path: Path) -> str:
+    """The digest ``approved-apps`` lists for ``path``: a FAB file's SHA-256 (``sha256sum``'s), or,
+    for an app's folder, that of the FAB ``flwr run`` builds from it (Flower writes the archive
+    with fixed dates, so the same files give the same digest; ``flwr build`` also demands that
+    the folder's name be an app name, and prints only a prefix of the digest)."""
+    if path.is_dir():
+        from flwr.cli.build import build_fab_from_disk  # pylint: disable=import-outside-toplevel  # only here
+
+        return hashlib.sha256(build_fab_from_disk(path)).hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class AppRefused(Exception):
+    """The site's policy does not let this task's app run (the reason is the message)."""
+
+
 # ---------------------------------------------------------------------------- worker side
 
 
@@ -334,16 +401,31 @@ class TaskRunner:
             message, context, run, fab = pull_task_input(client)
             if self.report is not None:
                 self.report(TaskStarted(message.metadata, round_timeout_of(context.run_config)))
-            app = self.app_for(run.fab_id, run.fab_version, fab.hash_str, fab.content)
+            # The digest of the bytes that would be installed, computed here, so that the site's
+            # check rests on nothing the server or the Runtime API claims. Flower 1.39's SuperNode
+            # does compare a FAB's content with its hash_str, but only once, when it stores the
+            # FAB it fetched from the SuperLink, and only when hash_str is not empty
+            # (flwr/supercore/corestate: store_fab); it does not recompute it when it hands the
+            # FAB out here (get_fab), and it has no list of the versions a site approves.
+            digest = hashlib.sha256(fab.content).hexdigest()
+            if (refusal := app_refusal(context.node_config, digest)) is not None:
+                log(ERROR, "The app of run %d was not run: %s", run.run_id, refusal)
+                raise AppRefused(refusal)
+            # Installed and loaded under the checked digest, so that what runs is what was checked
+            # (install_from_fab installs under the content's digest whatever hash_str says).
+            app = self.app_for(run.fab_id, run.fab_version, digest, fab.content)
             with self.slots.held():  # the heartbeats go on while the task waits for a slot
                 reply = app(message=message, context=context)
             sub_status, details = SubStatus.COMPLETED, ""
         except Exception as ex:  # pylint: disable=broad-exception-caught  # as flwr-clientapp
             code, reason = ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(ex)}:<'{ex}'>"
-            if isinstance(ex, LoadClientAppError):
-                code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
-                reason = "An exception was raised when attempting to load `ClientApp`"
-            log(ERROR, "ClientApp raised an exception", exc_info=ex)
+            if isinstance(ex, AppRefused):  # Flower's code for a FAB a SuperNode does not trust
+                code, reason = ErrorCode.INVALID_FAB, str(ex)
+            else:
+                if isinstance(ex, LoadClientAppError):
+                    code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
+                    reason = "An exception was raised when attempting to load `ClientApp`"
+                log(ERROR, "ClientApp raised an exception", exc_info=ex)
             details = reason
             if message is not None:
                 reply = Message(Error(code=code, reason=reason), reply_to=message)
@@ -706,6 +788,9 @@ def parser() -> argparse.ArgumentParser:
                           f"error: '{ROUND_TIMEOUT_KEY}' (default) for each run's round-timeout ("
                           f"{FALLBACK_TASK_TIMEOUT:g} s until the worker has read it), a number for every task, "
                           "0 for none (env FEDPAC_TASK_TIMEOUT)")
+    cli.add_argument("--fab-digest", metavar="PATH", type=Path,
+                     help=f"print the digest that the node config's {APPROVED_APPS_KEY} lists for PATH (a .fab "
+                          "file, or an app's folder as `flwr run` bundles it) and exit")
     return cli
 
 
@@ -732,6 +817,11 @@ def task_deadline_of(value: str) -> TaskDeadline:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.fab_digest is not None:
+        if not args.fab_digest.exists():
+            sys.exit(f"warm_executor: --fab-digest {args.fab_digest}: no such file or folder")
+        print(fab_digest_of(args.fab_digest))
+        return
     if not 0.01 <= args.poll_interval <= 60:
         sys.exit(f"warm_executor: --poll-interval must be between 0.01 and 60 s, got {args.poll_interval}")
     idle_timeout = idle_timeout_of(args.run_idle_timeout)

@@ -55,8 +55,8 @@ class ClientEvaluation:
     partition_id: int
     node_id: int
     num_examples: int
-    accuracy: float
-    loss: float
+    accuracy: float | None  # None: the site withheld its metrics (node config withhold-metrics)
+    loss: float | None
     seconds: float  # client-side compute of the evaluation
     generalized_accuracy: float | None = None  # the whole test set in the client's concept
 
@@ -261,7 +261,14 @@ def _seconds(metrics) -> float:
 
 def parse_evaluation(metrics, node_id: int, num_partitions: int | None = None) -> ClientEvaluation:
     """Decode an evaluation's metrics: an evaluate reply's, or the ``evaluation`` record of a
-    train reply (fused evaluation)."""
+    train reply (fused evaluation). A site that withheld its metrics evaluated all the same (a
+    deployed site saved the model): its evaluation counts as done, with no accuracy or loss."""
+    if p.METRICS_WITHHELD in metrics:
+        if metric(metrics, p.METRICS_WITHHELD) != 1.0:
+            raise InvalidReply(f"{p.METRICS_WITHHELD} = {metrics[p.METRICS_WITHHELD]!r}, expected 1")
+        return ClientEvaluation(partition_id=_partition_id(metrics, num_partitions), node_id=node_id,
+                                num_examples=int(sample_count(metric(metrics, p.NUM_EXAMPLES), p.NUM_EXAMPLES)),
+                                accuracy=None, loss=None, seconds=0.0)
     accuracy = metric(metrics, "accuracy")
     if not 0.0 <= accuracy <= 1.0:
         raise InvalidReply(f"accuracy {accuracy} outside [0, 1]")

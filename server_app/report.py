@@ -132,11 +132,11 @@ class FinalDelivery:
     A deployed site saves the model it evaluates in the last round (``client_app.app``); the
     sites that no evaluation of the last round reached get it in an evaluate message of their
     own after the loop (``PersonalizedStrategy.deliver``). ``accuracy`` is each delivered site's accuracy on its
-    own test split (what its ``model.json`` says); ``undelivered`` are the sites that never got
-    the model (their heads are in final_state.npz)."""
+    own test split (what its ``model.json`` says; None where the site withheld it); ``undelivered``
+    are the sites that never got the model (their heads are in final_state.npz)."""
 
     round: int
-    accuracy: dict[int, float] = field(default_factory=dict)
+    accuracy: dict[int, float | None] = field(default_factory=dict)
     undelivered: list[int] = field(default_factory=list)
 
     @property

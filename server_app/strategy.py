@@ -153,7 +153,7 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         self._bytes_received: dict[int, int] = {}
         # The last round's valid evaluations, by partition-id: those sites evaluated, and so saved,
         # the final model; the final delivery skips them.
-        self.final_accuracy: dict[int, float] = {}
+        self.final_accuracy: dict[int, float | None] = {}
 
     @property
     def extractor(self) -> p.NDArrays:
@@ -443,27 +443,28 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
             self.final_accuracy = {e.partition_id: e.accuracy for e in evaluations}
         record.seconds = time.time() - record.started
         self._close_round(record, evaluations)
-        if not evaluations:
+        measured = [e.accuracy for e in evaluations if e.accuracy is not None]
+        if not measured:
             return None
-        return MetricRecord(
-            {
-                "accuracy": float(np.mean([e.accuracy for e in evaluations])),
-                "num-clients": len(evaluations),
-            }
-        )
+        return MetricRecord({"accuracy": float(np.mean(measured)), "num-clients": len(measured)})
 
     def _close_round(self, record: RoundRecord, evaluations: list[ClientEvaluation]) -> None:
         """Complete ``record`` with its evaluations and hand it to ``on_round_end`` (outputs and
         the checkpoint of the state this round left)."""
-        record.accuracy = {e.partition_id: e.accuracy for e in evaluations}
-        record.test_loss = {e.partition_id: e.loss for e in evaluations}
-        record.eval_seconds = {e.partition_id: e.seconds for e in evaluations}
-        record.generalized = {e.partition_id: e.generalized_accuracy for e in evaluations
+        measured = [e for e in evaluations if e.accuracy is not None and e.loss is not None]
+        record.accuracy = {e.partition_id: e.accuracy for e in measured if e.accuracy is not None}
+        record.test_loss = {e.partition_id: e.loss for e in measured if e.loss is not None}
+        record.eval_seconds = {e.partition_id: e.seconds for e in measured}
+        record.generalized = {e.partition_id: e.generalized_accuracy for e in measured
                               if e.generalized_accuracy is not None}
         record.method.update(self.server.closing_record(self.state))
-        if evaluations:
-            log(INFO, "Round %d: mean personalized accuracy %.2f%% over %d clients", record.round,
-                100 * record.mean_accuracy, len(evaluations))
+        withheld = len(evaluations) - len(measured)
+        if measured:
+            log(INFO, "Round %d: mean personalized accuracy %.2f%% over %d clients%s", record.round,
+                100 * record.mean_accuracy, len(measured),
+                f" ({withheld} more evaluated and withheld their metrics)" if withheld else "")
+        elif withheld:
+            log(INFO, "Round %d: %d clients evaluated and withheld their metrics", record.round, withheld)
         else:
             log(WARNING, "Round %d: no valid evaluation replies", record.round)
         if self.on_round_end is not None:
@@ -534,7 +535,8 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         nodes = [n for n in self._candidates(grid) if self.node_partition.get(n) in partitions]
         return sorted(nodes, key=lambda n: self.node_partition[n])
 
-    def _send_final_model(self, grid: Grid, nodes: list[int], timeout: float) -> tuple[dict[int, float], set[int]]:
+    def _send_final_model(self, grid: Grid, nodes: list[int],
+                          timeout: float) -> tuple[dict[int, float | None], set[int]]:
         """Send ``nodes`` the final model as an evaluate message; returns the accuracy of each
         partition whose valid evaluation came back, and every partition whose node answered at
         all (the SuperLink's word that a node is offline is no answer)."""

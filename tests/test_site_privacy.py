@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import json
 import logging
 import stat
 from pathlib import Path
@@ -147,7 +148,8 @@ def test_a_new_run_key_does_not_start_a_site_s_ledger_over(tmp_path, caplog):
 
 def test_rounds_outside_the_run_are_refused_and_the_site_keeps_what_it_trained(tmp_path):
     """The real run's key, rounds 1000-1002: before, the site saved them and pruned its real
-    rounds (its heads, its ledger). Now a round the run config does not have is refused."""
+    rounds (its heads, its ledger). Now a round the run config does not have is refused, and so
+    is a round of the run behind the one the site last trained."""
     config = {**SMALL, "strategy": "fedper", "num-server-rounds": 2, "output-dir": str(tmp_path / "out")}
     sites = tmp_path / "sites"
     grid = InProcessGrid(config, 2, node_config={"state-dir": str(sites)})
@@ -160,6 +162,11 @@ def test_rounds_outside_the_run_are_refused_and_the_site_keeps_what_it_trained(t
         forged.content[p.CONFIG][p.SERVER_ROUND] = far
         reply = grid._deliver(forged)  # pylint: disable=protected-access
         assert reply.has_error() and "not a round of this run" in reply.error.reason, far
+    back = copy.deepcopy(last)  # a round of the run, behind the site's: a run's rounds only go forward
+    back.content[p.CONFIG][p.SERVER_ROUND] = 1
+    back.content[p.CONFIG].pop(p.EVALUATE_ROUND, None)
+    reply = grid._deliver(back)  # pylint: disable=protected-access
+    assert reply.has_error() and "goes back" in reply.error.reason
     assert {f: f.read_bytes() for f in sites.rglob("round-*.npz")} == before
 
 
@@ -257,11 +264,34 @@ def test_a_site_s_own_budget_binds_whatever_the_run_s_says(tmp_path, caplog):
     assert "partition 1 stops" not in caplog.text
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_site_that_withholds_its_metrics_evaluates_and_reports_none_of_them(tmp_path, caplog, fused):
+    """Node config withhold-metrics: the site's evaluations (evaluate messages, or fused into
+    the next round's training) carry neither accuracy nor loss; the server counts the site as
+    evaluated (and its final model as delivered) and averages the others."""
+    config = {**SMALL, "strategy": "fedper", "num-server-rounds": 2, "fused-evaluation": fused,
+              "output-dir": str(tmp_path / "out")}
+    grid = RecordingGrid(config, 3, node_config={"state-dir": str(tmp_path / "sites")})
+    _with_policy(grid, 1, **{"withhold-metrics": True})
+    with caplog.at_level(logging.INFO):
+        run_fedpac(cast(Grid, grid), parse_run_config(config), 1)
+    (run_folder,) = [d for d in (tmp_path / "out").iterdir() if d.is_dir()]
+    with open(run_folder / "clients.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["partition_id"] for r in rows if r["accuracy"]} == {"0", "2"}
+    assert all(r["accuracy"] == r["test_loss"] == "" for r in rows if r["partition_id"] == "1")
+    assert "1 more evaluated and withheld their metrics" in caplog.text
+    status = json.loads((run_folder / "status.json").read_text())
+    assert status["delivery"]["delivered"] == [0, 1, 2] and status["delivery"]["accuracy"]["1"] is None
+
+
 def test_a_policy_in_the_node_config_is_checked():
     assert SitePolicy.from_node_config({}) == SitePolicy()
     assert SitePolicy(epsilon_budget=3.0).budget(8.0) == 3.0 and SitePolicy().budget(8.0) == 8.0
     assert SitePolicy(epsilon_budget=3.0).budget(0.0) == 3.0 and SitePolicy().budget(0.0) == 0.0
-    for bad in ({"dp-required": "yes"}, {"dp-epsilon-budget": -1.0}, {"dp-min-noise-multiplier": "1"}):
+    assert SitePolicy.from_node_config({"withhold-metrics": True}).withhold_metrics
+    for bad in ({"dp-required": "yes"}, {"dp-epsilon-budget": -1.0}, {"dp-min-noise-multiplier": "1"},
+                {"withhold-metrics": 1}):
         with pytest.raises(ValueError, match="node config"):
             SitePolicy.from_node_config(bad)
 

@@ -17,9 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from flwr.common.config import parse_config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "deploy" / "supernode.sh"
+sys.path.insert(0, str(ROOT / "deploy"))
+import warm_executor  # noqa: E402  pylint: disable=wrong-import-position
 
 FAKE_NODE = r"""#!/usr/bin/env bash
 # One behaviour per start from $FAKE_PLAN (space-separated; the last one repeats).
@@ -185,14 +188,64 @@ def test_the_node_gets_the_files_and_config(site):
 def test_the_site_s_privacy_policy_reaches_its_node_config_and_nothing_else_does(site):
     """--privacy-policy adds the site's own policy keys to its node config; anything else (a
     partition of its choosing, a value that is not one) is refused in one line."""
-    policy = "dp-required=true dp-epsilon-budget=8 dp-min-noise-multiplier=0.8 dp-max-delta=1e-5"
+    policy = "dp-required=true dp-epsilon-budget=8 dp-min-noise-multiplier=0.8 dp-max-delta=1e-5 withhold-metrics=true"
     result = run(site, [*base_args(site), "--privacy-policy", policy])
     assert result.returncode == 0, result.stderr
     args = (site / "args-1").read_text().splitlines()
     assert args[args.index("--node-config") + 1].endswith(policy)
-    for bad in ("partition-id=3", "dp-required=yes", "dp-epsilon-budget=8;x", "*", "dp-noise-secret=00"):
+    for bad in ("partition-id=3", "dp-required=yes", "dp-epsilon-budget=8;x", "*", "dp-noise-secret=00",
+                "withhold-metrics=1"):
         assert_one_line_error(run(site, [*base_args(site), "--privacy-policy", bad]), "--privacy-policy",
                               "is not one of")
+
+
+DIGEST_A, DIGEST_B = "a" * 63 + "0", "0123456789abcdef" * 4
+
+
+def test_the_site_s_approved_apps_reach_its_node_config_as_the_executor_reads_them(site):
+    """--approved-apps: the digests, lower case and comma-separated, in the node config's
+    approved-apps, which Flower parses into the string the warm executor checks each FAB against."""
+    result = run(site, [*base_args(site, executor="warm"), "--approved-apps", f"{DIGEST_A.upper()}, {DIGEST_B}"])
+    assert result.returncode == 0, result.stderr
+    args = (site / "args-1").read_text().splitlines()
+    node_config = args[args.index("--node-config") + 1]
+    assert f'approved-apps="{DIGEST_A},{DIGEST_B}"' in node_config
+    parsed = parse_config_args([node_config])
+    assert parsed["approved-apps"] == f"{DIGEST_A},{DIGEST_B}" and parsed["partition-id"] == 0
+    assert warm_executor.approved_apps_of(parsed) == {DIGEST_A, DIGEST_B}
+
+
+def test_without_approved_apps_the_node_config_has_none(site):
+    result = run(site, base_args(site, executor="warm"))
+    assert result.returncode == 0, result.stderr
+    args = (site / "args-1").read_text().splitlines()
+    assert "approved-apps" not in args[args.index("--node-config") + 1]
+
+
+def test_the_cold_executor_refuses_to_start_with_approved_apps(site):
+    """Flower's own flwr-clientapp would run any app: a site that pins its app versions must not
+    believe it does when it cannot."""
+    result = run(site, [*base_args(site, executor="cold"), "--approved-apps", DIGEST_A])
+    assert_one_line_error(result, "--approved-apps", "needs --executor warm")
+    assert starts(site) == 0  # no node was started
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (DIGEST_A[:-1], "is not a SHA-256 digest"),
+    (f"{DIGEST_A};{DIGEST_B}", "is not a SHA-256 digest"),
+    (f"sha256:{DIGEST_A}", "is not a SHA-256 digest"),
+    (f"{DIGEST_A},{DIGEST_B[:-1]}g", "is not a SHA-256 digest"),
+    (",", "lists no digest"),
+])
+def test_an_approved_apps_value_that_is_not_a_list_of_digests_is_named_in_one_line(site, bad, problem):
+    result = run(site, [*base_args(site, executor="warm"), "--approved-apps", bad])
+    assert_one_line_error(result, "--approved-apps", problem)
+    assert starts(site) == 0
+
+
+def test_the_approved_apps_are_not_a_privacy_policy_entry(site):
+    result = run(site, [*base_args(site), "--privacy-policy", f"approved-apps={DIGEST_A}"])
+    assert_one_line_error(result, "--privacy-policy", "--approved-apps")
 
 
 @pytest.mark.parametrize("executor", ["cold", "warm"])

@@ -6,6 +6,7 @@ tests/test_warm_deployment.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -417,3 +418,164 @@ def test_the_round_timeout_a_worker_reports_is_a_positive_number_or_none(value, 
     started = warm_executor.TaskStarted(task_metadata("t", 1), seconds)
     assert TaskDeadline(fallback=7).limit(started) == (seconds or 7)  # the default when the run has none
     assert TaskDeadline(seconds=2).limit(started) == 2 and TaskDeadline(seconds=0).limit(started) == 0
+
+
+# ---------------------------------------------------------------------------- approved app versions
+
+APP_A, APP_B = b"the FAB of app version A", b"the FAB of app version B"
+DIGEST_A, DIGEST_B = (hashlib.sha256(content).hexdigest() for content in (APP_A, APP_B))
+
+
+class SiteTask:
+    """One task run by a real ``TaskRunner`` against fakes of the Runtime API: the pulled input
+    (its node config and FAB given), what was installed and loaded, whether the app ran, what
+    was pushed back and what the site logged."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, node_config: dict, content: bytes,
+                 hash_str: str | None = None) -> None:
+        self.installed: list[bytes] = []
+        self.loaded: list[str] = []  # the FAB hash each app was loaded under
+        self.ran = False
+        self.replies: list[Message] = []
+        self.output: tuple | None = None  # (sub-status, details)
+        self.logged: list[tuple[int, str]] = []
+        message = Message(RecordDict(), metadata=task_metadata("t", 3))
+        context = warm_executor.Context(run_id=3, node_id=77, node_config=node_config, state=RecordDict(),
+                                        run_config={})
+        run = SimpleNamespace(fab_id="fedpac/fedpac", fab_version="1.0.0", run_id=3)
+        fab = SimpleNamespace(hash_str=hashlib.sha256(content).hexdigest() if hash_str is None else hash_str,
+                              content=content)
+        monkeypatch.setattr(warm_executor, "HeartbeatSender", _NoHeartbeats)
+        monkeypatch.setattr(warm_executor, "pull_task_input", lambda client: (message, context, run, fab))
+        monkeypatch.setattr(warm_executor, "push_message", lambda client, reply, ctx: self.replies.append(reply))
+        monkeypatch.setattr(warm_executor, "push_task_output",
+                            lambda client, ctx, status, details: setattr(self, "output", (status, details)))
+        monkeypatch.setattr(warm_executor, "install_from_fab",
+                            lambda content, skip_prompt: self.installed.append(content))
+        monkeypatch.setattr(warm_executor, "log", lambda level, text, *args, **kwargs:
+                            self.logged.append((level, text % args)))
+        self.runner = warm_executor.TaskRunner(warm_executor.RuntimeEndpoint("127.0.0.1:1", True, None))
+        monkeypatch.setattr(self.runner, "_load", self._load)
+
+    def _load(self, fab_id: str, fab_version: str, fab_hash: str):  # noqa: ANN202
+        self.loaded.append(fab_hash)
+
+        def app(message: Message, context: warm_executor.Context) -> Message:
+            self.ran = True
+            return Message(RecordDict(), reply_to=message)
+
+        return app
+
+    def run(self) -> str:
+        return self.runner.run("token")
+
+    def assert_refused(self, *words: str) -> str:
+        """The app was neither installed nor run; the task got an error reply naming
+        approved-apps and ``words``, its status failed, and the site logged why. The reason."""
+        assert self.installed == [] and self.loaded == [] and not self.ran
+        (reply,) = self.replies
+        assert reply.has_error() and reply.error.code == ErrorCode.INVALID_FAB
+        reason = reply.error.reason
+        assert reason.startswith("site policy: ") and "approved-apps" in reason
+        assert all(word in reason for word in words), reason
+        assert self.output == (SubStatus.FAILED, reason)
+        assert any(level == warm_executor.ERROR and reason in text for level, text in self.logged), self.logged
+        return reason
+
+    def assert_ran(self, content: bytes) -> None:
+        assert self.installed == [content] and self.loaded == [hashlib.sha256(content).hexdigest()] and self.ran
+        (reply,) = self.replies
+        assert not reply.has_error()
+        assert self.output == (SubStatus.COMPLETED, "")
+
+
+class _NoHeartbeats:  # no heartbeats to a Runtime API that is not there
+    def __init__(self, beat) -> None:  # noqa: ANN001
+        del beat
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def test_an_unapproved_app_is_never_installed_or_run_and_its_task_gets_an_error_naming_approved_apps(monkeypatch):
+    task = SiteTask(monkeypatch, {"approved-apps": DIGEST_A}, APP_B)
+    assert task.run() == SubStatus.FAILED
+    reason = task.assert_refused(f"FAB {DIGEST_B} is not one of them")
+    assert reason == ("site policy: this site runs only the app versions in its node config's approved-apps; "
+                      f"FAB {DIGEST_B} is not one of them")
+
+
+@pytest.mark.parametrize("listed", [DIGEST_A, f"{DIGEST_B},{DIGEST_A}", f" {DIGEST_B}  {DIGEST_A.upper()} ",
+                                    f"{DIGEST_B}, {DIGEST_A},"])
+def test_an_approved_app_runs_and_an_app_the_list_leaves_out_does_not(monkeypatch, listed):
+    """Commas, spaces or both between the digests, either case."""
+    approved = SiteTask(monkeypatch, {"approved-apps": listed}, APP_A)
+    assert approved.run() == SubStatus.COMPLETED
+    approved.assert_ran(APP_A)
+    other = SiteTask(monkeypatch, {"approved-apps": listed.replace(DIGEST_B, "0" * 64)}, APP_B)
+    assert other.run() == SubStatus.FAILED
+    other.assert_refused(DIGEST_B)
+
+
+def test_a_fab_whose_content_is_not_a_listed_digest_is_refused_whatever_its_hash_str_says(monkeypatch):
+    """The server (or anything between it and the worker) names an approved version and sends
+    other bytes: the worker checks the bytes it would install."""
+    task = SiteTask(monkeypatch, {"approved-apps": DIGEST_A}, APP_B, hash_str=DIGEST_A)
+    assert task.run() == SubStatus.FAILED
+    task.assert_refused(f"FAB {DIGEST_B}")
+
+
+def test_without_approved_apps_every_app_runs_and_with_it_the_same_app_does_not(monkeypatch):
+    for content in (APP_A, APP_B):
+        task = SiteTask(monkeypatch, {"partition-id": 0, "dp-required": True}, content)
+        assert task.run() == SubStatus.COMPLETED
+        task.assert_ran(content)
+    task = SiteTask(monkeypatch, {"partition-id": 0, "approved-apps": DIGEST_A}, APP_B)
+    assert task.run() == SubStatus.FAILED
+    task.assert_refused()
+
+
+@pytest.mark.parametrize("value, named", [
+    ("", "lists no app version"),
+    (" , ", "lists no app version"),
+    (DIGEST_A[:63], f"'{DIGEST_A[:63]}' is not a SHA-256 digest"),
+    (f"sha256:{DIGEST_A}", "is not a SHA-256 digest"),
+    (f"{DIGEST_A};{DIGEST_B}", "is not a SHA-256 digest"),
+    (f"{DIGEST_A},{DIGEST_B[:-1]}g", "is not a SHA-256 digest"),
+    (123, "is not a list of SHA-256 digests"),
+    (True, "is not a list of SHA-256 digests"),
+])
+def test_a_malformed_approved_apps_refuses_every_app_even_a_listed_one(monkeypatch, value, named):
+    """A typo in the list must not read as "no list": every task is refused, naming the key."""
+    task = SiteTask(monkeypatch, {"approved-apps": value}, APP_A)
+    assert task.run() == SubStatus.FAILED
+    reason = task.assert_refused(named, "node config approved-apps", "runs no app until")
+    with pytest.raises(ValueError, match="node config approved-apps"):
+        warm_executor.approved_apps_of({"approved-apps": value})
+    assert warm_executor.app_refusal({"approved-apps": value}, DIGEST_A) == reason
+
+
+def test_the_approved_apps_list_is_parsed_to_lower_case_digests():
+    assert warm_executor.approved_apps_of({}) is None
+    assert warm_executor.approved_apps_of({"approved-apps": f"{DIGEST_A.upper()},{DIGEST_B} {DIGEST_A}"}) == \
+        frozenset({DIGEST_A, DIGEST_B})
+    assert warm_executor.app_refusal({}, DIGEST_B) is None
+    assert warm_executor.app_refusal({"approved-apps": DIGEST_B}, DIGEST_B) is None
+    assert "approved-apps" in (warm_executor.app_refusal({"approved-apps": DIGEST_B}, DIGEST_A) or "")
+
+
+def test_fab_digest_prints_what_approved_apps_lists(tmp_path, monkeypatch, capsys):
+    """Of a FAB file: its SHA-256, as sha256sum prints it; of an app's folder: that of the FAB
+    `flwr run` would build from it."""
+    fab = tmp_path / "fedpac.fedpac.0-1-0.d2422b3e.fab"
+    fab.write_bytes(APP_A)
+    warm_executor.main(["--fab-digest", str(fab)])
+    assert capsys.readouterr().out == f"{DIGEST_A}\n"
+    import flwr.cli.build  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(flwr.cli.build, "build_fab_from_disk", lambda app: APP_B if app == tmp_path else b"")
+    warm_executor.main(["--fab-digest", str(tmp_path)])
+    assert capsys.readouterr().out == f"{DIGEST_B}\n"
+    with pytest.raises(SystemExit, match="--fab-digest .*: no such file or folder"):
+        warm_executor.main(["--fab-digest", str(tmp_path / "none.fab")])
