@@ -216,7 +216,9 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
     rounds, SuperNode 2 killed and restarted, the server stopped and resumed from its checkpoint
     for rounds 3 and 4. Every site's accuracy and loss in every round, and the final model, are
     the uninterrupted simulation's, bit for bit (a node that had started over from the prior, or
-    from round 0's head, would not)."""
+    from round 0's head, would not). Site 2 holds its own privacy policy, a floor on the noise
+    that every one of these runs meets; a last run that asks for less noise is refused by site 2
+    alone, with the reason in the server's log, and finishes with the other two."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives a simulated client with one CPU
     common = {"samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 1,
               "min-available-clients": 3}
@@ -231,9 +233,10 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
+        policy = {2: ["--privacy-policy", "dp-min-noise-multiplier=0.5"]}
         for pid in range(3):
             _give_secret(tmp_path / "deployed" / "models" / f"client-{pid}", pid)
-            federation.start_node(pid)
+            federation.start_node(pid, options=policy.get(pid, ()))
         for method, knobs in methods.items():
             first, resumed = tmp_path / f"first-{method}", tmp_path / f"resumed-{method}"
             settings = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
@@ -241,10 +244,16 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
             run_id = federation.submit(f"{settings} num-server-rounds=2 output-dir='{first}'")
             assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
             federation.signal_node(2, signal.SIGKILL)
-            federation.start_node(2)
+            federation.start_node(2, options=policy[2])
             run_id = federation.submit(
                 f"{settings} num-server-rounds=4 resume-from='{run_dir(first)}' output-dir='{resumed}'")
             assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        less_noise = tmp_path / "less-noise"
+        run_id = federation.submit(f"{SMALL} dp=true dp-noise-multiplier=0.3 num-server-rounds=1 "
+                                   f"min-available-clients=3 output-dir='{less_noise}'")
+        assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
+        assert "below the site's dp-min-noise-multiplier = 0.5" in federation.log(run_id)
+        assert int(rounds_of(less_noise)[0]["num_trained"]) == 2
     finally:
         federation.close()
     measured = ("accuracy", "test_loss", "train_loss", "num_examples")
