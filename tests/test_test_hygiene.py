@@ -45,3 +45,52 @@ def test_a_pytest_run_with_an_xdist_worker_leaves_nothing_in_the_temp_folder(tmp
     # (pytest-of-<user>/pytest-<n>, of which pytest keeps the last three), empty here
     assert [entry.name for entry in temp.iterdir() if not entry.name.startswith("pytest-of-")] == []
     assert [f for f in temp.rglob("*") if not f.is_dir() and not f.is_symlink()] == []
+
+
+# ---------------------------------------------------------------------- security properties, quickly
+
+E2E_MARKS = {"e2e", "slow"}
+
+
+def _marks(decorators: list) -> set[str]:
+    """The pytest.mark.<name> of a test's decorators."""
+    import ast  # pylint: disable=import-outside-toplevel
+
+    names = set()
+    for decorator in decorators:
+        node = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark":
+            names.add(node.attr)
+    return names
+
+
+def quick_tests(module: Path) -> list[str]:
+    """The tests of ``module`` in the quick tier (``-m "not e2e and not slow"``): neither the
+    module's ``pytestmark`` nor the test's own decorators mark it e2e or slow."""
+    import ast  # pylint: disable=import-outside-toplevel
+
+    tree = ast.parse(module.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+            values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            if _marks(values) & E2E_MARKS:
+                return []
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+            and not _marks(node.decorator_list) & E2E_MARKS]
+
+
+def test_every_protection_security_md_claims_has_a_quick_test_that_attacks_it():
+    """Each row of SECURITY.md's table of protections names, among its tests, a test module with
+    tests in the quick tier: a broken protection fails in the tier run while changing code, not
+    only in a deployment test at the end of the suite."""
+    text = (ROOT / "docs" / "SECURITY.md").read_text()
+    table = text.split("## What is protected, by what, and the test that attacks it", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|") and not line.startswith(("| property", "|---"))]
+    assert len(rows) >= 15
+    without = []
+    for row in rows:
+        cells = row.strip("|").split(" | ")
+        modules = set(re.findall(r"tests/(test_\w+)\.py", cells[-1]))
+        if not any(quick_tests(ROOT / "tests" / f"{name}.py") for name in modules):
+            without.append(f"{cells[0][:70]} ({', '.join(sorted(modules)) or 'no test named'})")
+    assert not without, "protections with no quick test:\n  " + "\n  ".join(without)
