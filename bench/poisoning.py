@@ -6,9 +6,11 @@ uses. One site (partition ``--attacker``) answers every round with its update of
 parts, the model it sends back minus the one it was sent, changed: ``x1e30`` (which, unbounded,
 stalls the run: every site's next training is NaN), ``x10``, ``sign-flip``, or not at all
 (``clean``). Each attack runs under each
-setting: ``on`` (the defaults: ``max-norm-ratio`` 3, the weighted mean), ``off``
-(``max-norm-ratio = 0``: what the product did before the bound), ``median``, ``trimmed-mean``
-(the bound on, and the robust aggregator for the averaged parts).
+setting: ``on`` (the defaults: ``max-norm-ratio`` 3, the weighted mean, agreeing head mixes),
+``off`` (``max-norm-ratio = 0``: what the product did before the bound), ``median``,
+``trimmed-mean`` (the bound on, and the robust aggregator for the averaged parts),
+``mixes-unguarded`` (the bound on, FedPAC's head mixes as the QP gives them: ``agreeing-heads =
+false``).
 
 Per run: whether it completed (else the round it stopped after, and why), the other sites' mean
 final personalized accuracy and its difference from the clean run of the same setting, the
@@ -73,6 +75,7 @@ SETTINGS: dict[str, dict[str, object]] = {
     "off": {"max-norm-ratio": 0.0},
     "median": {"shared-aggregation": "median"},
     "trimmed-mean": {"shared-aggregation": "trimmed-mean"},
+    "mixes-unguarded": {"agreeing-heads": False},  # the bound on, FedPAC's mixes as the QP gives them
 }
 CLIENTS = 10
 PARTS = ("extractor", "head")

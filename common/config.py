@@ -71,6 +71,9 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     max_norm_ratio: float = 3.0
     shared_aggregation: str = "mean"
     trim_fraction: float = 0.2
+    # FedPAC's head mixes leave out, for each client, every head whose update points away from
+    # the client's own (``common.robust.agreeing_mix``): a sign-flipped head passes the bound.
+    agreeing_heads: bool = True
     fraction_evaluate: float = 1.0
     # A round's evaluation travels in the next round's train message (the client evaluates the
     # model it received before training on it): one message per client and round instead of two,

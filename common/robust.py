@@ -16,7 +16,14 @@ next training is NaN everywhere. Two rules bound what one reply can do:
   likes; the median and the trimmed mean ignore a minority of outliers altogether, at the price
   of the sample weights (eq. 18) and of some accuracy on skewed data.
 
-Neither helps against a majority of hostile replies, whose norms are the median.
+* **Agreeing mixes** (:func:`agreeing_mix`): an update of honest size that points the wrong
+  way (a sign flip) passes both rules above. Where the server mixes each client its own
+  combination of the others' heads (FedPAC's collaboration), the mix is made of what the
+  client's statistics resemble, so the client nearest to a flipping site takes the flipped head
+  at the largest weight. A head whose update points away from the client's own update (negative
+  inner product) is left out of that client's mix; the weights left are rescaled.
+
+None of them helps against a majority of hostile replies, whose norms are the median.
 """
 
 from __future__ import annotations
@@ -193,3 +200,32 @@ def _blockwise(arrays: list[NDArrays], reduce) -> NDArrays:  # noqa: ANN001
 
 __all__ = ["AGGREGATIONS", "MEAN", "MEDIAN", "TRIMMED_MEAN", "Bounded", "aggregate", "bound_factors", "bound_rows",
            "bound_updates", "coordinate_median", "norm_bounds", "trimmed_mean", "update_norms"]
+
+
+# ---------------------------------------------------------------------- agreeing mixes
+
+
+def agreeing_mix(alpha: np.ndarray, updates: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """``alpha`` (row i: client i's weights on the m heads, summing to 1) with every weight
+    alpha_ij removed whose head update (row j of ``updates``, m x d: each head as sent back
+    minus as the server sent it) points away from client i's own (a negative inner product), and
+    each row's remaining weights rescaled to sum to 1 (a row left with nothing keeps its own head:
+    alpha_ii = 1); and the (i, j) pairs removed.
+
+    Heads of clients with the same data move the same way from where they started, so an honest
+    pair whose statistics are alike agrees; a sign-flipped head disagrees with exactly the
+    clients its statistics make it closest to. A zero update (a head that did not train) agrees
+    with every other."""
+    alpha = np.asarray(alpha, dtype=np.float64)
+    updates = np.asarray(updates, dtype=np.float64)
+    agree = updates @ updates.T >= 0
+    np.fill_diagonal(agree, True)
+    dropped = [(int(i), int(j)) for i, j in zip(*np.nonzero(~agree & (alpha > 0)))]
+    if not dropped:
+        return alpha, []
+    kept = np.where(agree, alpha, 0.0)
+    sums = kept.sum(axis=1, keepdims=True)
+    lonely = sums[:, 0] <= 0
+    kept[lonely] = np.eye(len(alpha))[lonely]
+    sums[lonely] = 1.0
+    return kept / sums, dropped

@@ -186,6 +186,7 @@ NO_INVALID_VALUE: dict[str, str] = {
     "full-last-round": "a switch: both values are meaningful",
     "fused-evaluation": "a switch: both values are meaningful (it is ignored where it cannot apply)",
     "clustered-anchors": "a switch: both values are meaningful",
+    "agreeing-heads": "a switch: both values are meaningful (methods that mix no heads ignore it)",
     "dp": "a switch: both values are meaningful",
     "data-dir": "a path, read when the data is loaded (the pre-flight reports a bad one); '' is the default",
     "resume-from": "a path checked when the checkpoint is loaded (server_app.app), not by the parser",

@@ -165,6 +165,21 @@ def test_aggregate_takes_the_weighted_mean_or_a_robust_rule_and_refuses_others()
         robust.trimmed_mean(models, 0.5)
 
 
+def test_a_head_whose_update_points_away_from_a_client_s_own_is_left_out_of_its_mix():
+    alpha = np.array([[0.5, 0.2, 0.3], [0.1, 0.6, 0.3], [0.4, 0.4, 0.2]])
+    updates = np.array([[1.0, 0.0], [1.0, 0.5], [-1.0, 0.1]])  # head 2 flipped
+    mixed, dropped = robust.agreeing_mix(alpha, updates)
+    assert sorted(dropped) == [(0, 2), (1, 2), (2, 0), (2, 1)]
+    np.testing.assert_allclose(mixed, [[0.5 / 0.7, 0.2 / 0.7, 0.0], [0.1 / 0.7, 0.6 / 0.7, 0.0], [0.0, 0.0, 1.0]])
+    # a zero update (a head that did not train) agrees with every other; nothing left out: the
+    # weights as they were
+    same, none = robust.agreeing_mix(alpha, np.array([[1.0, 0.0], [0.0, 0.0], [0.5, 0.5]]))
+    assert none == [] and np.array_equal(same, alpha)
+    # a row whose weights all go keeps its own head
+    lonely, _ = robust.agreeing_mix(np.array([[0.0, 1.0], [0.5, 0.5]]), np.array([[1.0], [-1.0]]))
+    np.testing.assert_array_equal(lonely, [[1.0, 0.0], [0.0, 1.0]])
+
+
 @pytest.mark.parametrize(("key", "value", "fragment"), [
     ("max-norm-ratio", 0.5, "0 (no bound) or >= 1"), ("max-norm-ratio", -3.0, "0 (no bound) or >= 1"),
     ("shared-aggregation", "krum", "one of mean, median, trimmed-mean"),
@@ -244,6 +259,25 @@ def test_a_site_poisoning_its_update_every_round_neither_stops_the_run_nor_owns_
     assert abs(_honest_accuracy(report) - _honest_accuracy(clean_report)) < 0.15
     if attack != "sign-flipped":  # and the operator is told
         assert f"partition {ATTACKER}'s extractor update has norm" in caplog.text
+
+
+def test_a_sign_flipped_head_reaches_no_honest_client_s_mix(tmp_path, caplog):
+    """A plain sign flip passes the norm bound; under FedPAC it harms the sites whose statistics
+    resemble the flipping site's, which the QP gives its head. With agreeing-heads (the default)
+    the flipped head keeps a tenth of the weight the honest clients' mixes gave it without, in
+    the rounds after the first (only a client whose own update happens to point the flipped
+    head's way still mixes it)."""
+    def weights_on_attacker(report):
+        rounds = [r.method for r in report.rounds[1:]]
+        return [row[r["alpha_partitions"].index(ATTACKER)] for r in rounds
+                for pid, row in zip(r["alpha_partitions"], r["alpha"]) if pid != ATTACKER]
+
+    with caplog.at_level(logging.WARNING):
+        _, report = _federation(tmp_path, "agreeing", ATTACKS["sign-flipped"])
+    _, unguarded = _federation(tmp_path, "unguarded", ATTACKS["sign-flipped"], **{"agreeing-heads": False})
+    guarded, given = sum(weights_on_attacker(report)), sum(weights_on_attacker(unguarded))
+    assert given > 0.05 and guarded < 0.1 * given, (guarded, given)
+    assert f"<- {ATTACKER}: " in caplog.text
 
 
 def test_without_the_bound_the_x1e30_site_makes_every_reply_invalid(tmp_path):

@@ -15,6 +15,7 @@ from common.config import parse_run_config
 from common.methods import METHODS
 from common.methods.fedpac.server import CENTROIDS
 from common.methods.server import HEAD, server_part
+from common.robust import agreeing_mix
 from federation import InProcessGrid, set_section
 from server_app.app import initial_model
 from server_app.replies import parse_train_reply
@@ -64,7 +65,14 @@ def test_each_head_is_mixed_with_its_own_alpha_row_under_shuffled_replies():
         np.stack([u.parsed["h"] for u in updates]), np.array([u.parsed["v"] for u in updates]),
         np.array([u.num_examples for u in updates], dtype=float),
     )
-    mixed = mix_heads([u.head for u in updates], expected.alpha)
+    # each client's mix leaves out the heads whose move from the head every client was sent in
+    # round 1 (the initial model's) points away from its own (agreeing-heads)
+    model = initial_model(parse_run_config(RUN_CONFIG))
+    _, initial = split_state({k: v.numpy() for k, v in model.state_dict().items()})
+    moves = np.stack([np.concatenate([(u.head[k].astype(np.float64) - initial[k]).ravel() for k in sorted(u.head)])
+                      for u in updates])
+    alpha, _ = agreeing_mix(expected.alpha, moves)
+    mixed = mix_heads([u.head for u in updates], alpha)
     for update, head in zip(updates, mixed):
         for key in head:
             np.testing.assert_allclose(strategy.state.personal[HEAD][update.partition_id][key], head[key], rtol=1e-6)

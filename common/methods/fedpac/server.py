@@ -19,6 +19,7 @@ from common.methods.fedpac import FedPAC
 from common.methods.fedpac.charts import alpha_chart, has_alpha
 from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
+from common.robust import agreeing_mix
 from common.simplex_qp import FAR_DIAGONAL
 from common.validation import class_counts, finite_as, metric, variance_metric
 
@@ -133,16 +134,33 @@ class Server(ServerPart):
                                                   self.cfg.alpha_threshold, self.cfg.qp_solver)
         state.shared[EXTRACTOR] = self.average([u.extractor for u in updates], weights)
         if collaboration is not None:  # without it each head stays at its site (Rule.LOCAL)
-            new_heads = mix_heads([u.head for u in updates], collaboration.alpha)
+            alpha = self.agreeing(state, updates, collaboration.alpha, server_round)
+            new_heads = mix_heads([u.head for u in updates], alpha)
             for update, head in zip(updates, new_heads):
                 state.keep(HEAD, update.partition_id, head)
             result.record.update(alpha_partitions=[u.partition_id for u in updates],
-                                 alpha=collaboration.alpha.tolist(), solver_status=collaboration.status)
+                                 alpha=alpha.tolist(), solver_status=collaboration.status)
             if collaboration.far_off:
                 log(WARNING, "Round %d: partitions %s report feature statistics (||h||^2 + V/n) over %g times a "
                     "typical client's; no other client mixes their heads. Diverged, or not honest?", server_round,
                     [updates[i].partition_id for i in collaboration.far_off], FAR_DIAGONAL)
         return result
+
+    def agreeing(self, state: ServerState, updates: list[Update], alpha: np.ndarray, server_round: int) -> np.ndarray:
+        """The QP's mixing weights less, with ``agreeing-heads``, the heads whose update points
+        away from the mixing client's own (``common.robust.agreeing_mix``), logged."""
+        if not self.cfg.agreeing_heads or len(updates) < 2:
+            return alpha
+        sent = [self.model_for(state, u.partition_id) for u in updates]
+        moves = np.stack([np.concatenate([(np.asarray(u.head[key], np.float64) - model[key]).ravel()
+                                          for key in sorted(u.head)]) for u, model in zip(updates, sent)])
+        agreeing, dropped = agreeing_mix(alpha, moves)
+        if dropped:
+            pids = [u.partition_id for u in updates]
+            log(WARNING, "Round %d: heads left out of a mix, their update pointing away from the mixing client's "
+                "own (client <- head: QP weight): %s", server_round,
+                ", ".join(f"{pids[i]} <- {pids[j]}: {alpha[i, j]:.3f}" for i, j in dropped))
+        return agreeing
 
     def closing_record(self, state: ServerState) -> dict[str, Any]:
         """How many classes have a global centroid."""
