@@ -89,6 +89,14 @@ def update_norms(received: list[NDArrays], sent: list[NDArrays]) -> np.ndarray:
     return norms
 
 
+def stacked_updates(received: list[NDArrays], sent: list[NDArrays]) -> np.ndarray:
+    """The updates ``received[i] - sent[i]`` as the rows of one (m, d) float64 matrix, each
+    reply's arrays flattened in the order of their names (for parts small enough to stack: a
+    head; :func:`update_norms` streams instead)."""
+    return np.stack([np.concatenate([np.subtract(mine[key], base[key], dtype=np.float64).ravel()
+                                     for key in sorted(mine)]) for mine, base in zip(received, sent)])
+
+
 @dataclass(frozen=True)
 class Bounded:
     """:func:`bound_updates`' answer: the replies' arrays (those within the bound as they came,

@@ -4,6 +4,7 @@ when it ends."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -52,10 +53,8 @@ def test_a_pytest_run_with_an_xdist_worker_leaves_nothing_in_the_temp_folder(tmp
 E2E_MARKS = {"e2e", "slow"}
 
 
-def _marks(decorators: list) -> set[str]:
+def _marks(decorators: list[ast.expr]) -> set[str]:
     """The pytest.mark.<name> of a test's decorators."""
-    import ast  # pylint: disable=import-outside-toplevel
-
     names = set()
     for decorator in decorators:
         node = decorator.func if isinstance(decorator, ast.Call) else decorator
@@ -67,8 +66,6 @@ def _marks(decorators: list) -> set[str]:
 def quick_tests(module: Path) -> list[str]:
     """The tests of ``module`` in the quick tier (``-m "not e2e and not slow"``): neither the
     module's ``pytestmark`` nor the test's own decorators mark it e2e or slow."""
-    import ast  # pylint: disable=import-outside-toplevel
-
     tree = ast.parse(module.read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):

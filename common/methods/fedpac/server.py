@@ -19,7 +19,7 @@ from common.methods.fedpac import FedPAC
 from common.methods.fedpac.charts import alpha_chart, has_alpha
 from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
-from common.robust import agreeing_mix
+from common.robust import agreeing_mix, stacked_updates
 from common.simplex_qp import FAR_DIAGONAL
 from common.validation import class_counts, finite_as, metric, variance_metric
 
@@ -152,9 +152,7 @@ class Server(ServerPart):
         if not self.cfg.agreeing_heads or len(updates) < 2:
             return alpha
         sent = [self.model_for(state, u.partition_id) for u in updates]
-        moves = np.stack([np.concatenate([(np.asarray(u.head[key], np.float64) - model[key]).ravel()
-                                          for key in sorted(u.head)]) for u, model in zip(updates, sent)])
-        agreeing, dropped = agreeing_mix(alpha, moves)
+        agreeing, dropped = agreeing_mix(alpha, stacked_updates([u.head for u in updates], sent))
         if dropped:
             pids = [u.partition_id for u in updates]
             log(WARNING, "Round %d: heads left out of a mix, their update pointing away from the mixing client's "
