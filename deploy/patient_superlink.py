@@ -28,6 +28,10 @@ reply's objects together, larger than a reply of that run can be (2 x the larges
 ServerApp pushed in the run + about 6 MiB, or ``FEDPAC_SUPERLINK_MAX_REPLY_BYTES``) is refused
 before it is stored, so a hostile site cannot fill the ServerApp's memory with one reply.
 
+With subprocess isolation (``deploy/superlink.sh``) it starts Flower's SuperExec again whenever
+that exits (``deploy/supervised_superexec.py``): Flower starts it once, and without it every run
+submitted stays ``pending``.
+
 ``deploy/superlink.sh`` and the compose cluster start the SuperLink this way. A test checks that
 Flower's pragma list still has the entry this replaces.
 """
@@ -51,6 +55,7 @@ from flwr.superlink.servicer.runtime import runtime_handlers  # noqa: E402
 
 import fleet_guard  # noqa: E402
 import size_guard  # noqa: E402
+import supervised_superexec  # noqa: E402
 from long_poll import LongPoll, ObjectArrivals, wait_for_objects, wait_from_environment  # noqa: E402
 
 
@@ -84,6 +89,7 @@ def _has_messages(response) -> bool:  # noqa: ANN001  # a PullMessagesResponse o
 
 
 def main() -> None:
+    supervised_superexec.install()  # a SuperExec that exits is started again, or every run stays pending
     size_guard.install()  # FEDPAC_SUPERLINK_MAX_REPLY_BYTES, else derived from each run's instructions
     fleet_guard.install()  # installed last, so it runs first: a push in another node's name is refused as such
     long_poll_messages(wait_from_environment("FEDPAC_SUPERLINK_PULL_WAIT", 2.0))

@@ -245,6 +245,26 @@ class Federation(Workstation):
         if signum == signal.SIGKILL:
             node.wait()
 
+    def wait(self, run_id: str, timeout: float = 600) -> str:
+        try:
+            return super().wait(run_id, timeout)
+        except AssertionError as err:  # why a run never started or never ended is in the SuperLink's log
+            raise AssertionError(f"{err}; the SuperLink's log ends:\n{self.read_log('superlink')[-3000:]}") from err
+
+    def kill_superexec(self) -> int:
+        """SIGKILL the SuperExec the SuperLink started (the process that launches each run's
+        ServerApp), as a crash would end it; returns its pid."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                command = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except OSError:  # a process that ended meanwhile
+                continue
+            if int(fields[1]) == self.superlink.pid and any(b"flower-superexec" in part for part in command):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+                return int(stat.parent.name)
+        raise RuntimeError(f"the SuperLink has no SuperExec:\n{self.read_log('superlink')[-3000:]}")
+
     def close(self) -> None:
         processes = [*self.supernodes.values(), self.superlink]
         for process in processes:

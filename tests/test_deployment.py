@@ -103,6 +103,8 @@ def test_tls_federation_with_node_auth_trains_on_local_data_and_refuses_an_unreg
     for pid in range(3):
         federation.start_node(pid, data_path=data / "client-2" if pid == 2 else None, options=policies.get(pid, ()))
     out = tmp_path / "out"
+    # the SuperExec crashed: the SuperLink starts a new one, or this run would stay pending
+    federation.kill_superexec()
     # each round evaluates 2 of the 3 sites: the third gets the final model by the final delivery
     run_id = federation.submit(f"{SMALL} num-server-rounds=2 min-available-clients=3 fraction-evaluate=0.67 "
                                f"output-dir='{out}'")

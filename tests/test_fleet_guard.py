@@ -49,6 +49,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.object_store import ObjectStore, ObjectStoreFactory
 from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
 from flwr.supercore.object_store.sql_object_store import SqlObjectStore
+from flwr.superlink.cli.flower_superlink import SuperLinkLifespan
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.servicer.runtime import runtime_handlers
 
@@ -307,14 +308,15 @@ def test_the_refused_node_is_answered_permission_denied_with_the_reason(link, gu
 
 def test_the_superlink_launcher_installs_the_guard(link, monkeypatch):
     """``patient_superlink.main`` (what superlink.sh and the compose SuperLink run) guards the
-    Fleet API (both guards, the size guard with ``FEDPAC_SUPERLINK_MAX_REPLY_BYTES``) before it
-    starts Flower's SuperLink."""
+    Fleet API (both guards, the size guard with ``FEDPAC_SUPERLINK_MAX_REPLY_BYTES``) and
+    supervises its SuperExec before it starts Flower's SuperLink."""
     points = [(message_handler, "push_messages"), (message_handler, "pull_messages"),
               (runtime_handlers, "pull_messages"), (message_handler, "pull_object"),
               (runtime_handlers, "pull_object"), (InMemoryObjectStore, "put"), (SqlObjectStore, "put")]
     points += [(state, name) for state in (InMemoryLinkState, SqlLinkState)
                for name in ("store_message_ins", "store_message_res")]
     points += SIZE_HANDLERS
+    points += [(SuperLinkLifespan, "_start_superexec_if_needed"), (SuperLinkLifespan, "shutdown")]
     for owner, name in points:
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
     monkeypatch.setattr(patient_superlink.sql_mixin, "SQLITE_PRAGMAS", patient_superlink.sql_mixin.SQLITE_PRAGMAS)
@@ -326,6 +328,8 @@ def test_the_superlink_launcher_installs_the_guard(link, monkeypatch):
     monkeypatch.setattr(patient_superlink, "flower_superlink", lambda: started.append(message_handler.push_messages))
     patient_superlink.main()
     assert started and started[0] is message_handler.push_messages
+    # the SuperExec is supervised (tests/test_supervised_superexec.py)
+    assert SuperLinkLifespan._start_superexec_if_needed.__qualname__.startswith("install.")  # noqa: SLF001
     refusal = attempt(link, link.a, link.message(SUPERLINK_NODE_ID, link.b, author="attacker"))
     assert written_by(link, link.pulled_by(link.b)) == []
     refused(refusal)
