@@ -44,10 +44,15 @@ provision: install
 	deploy/install-docker.sh $(VENV)
 	deploy/install-datasets.sh
 
+# The tests that start no process (the quick tier and the slow in-process ones) on every core,
+# then those that do (e2e: deployments, Docker, network namespaces) one at a time, as they size
+# their waits for a machine of their own; both run even if the first fails.
+DURATIONS ?= 12
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest --durations=12
+	$(VENV)/bin/python -m pytest -m "not e2e" -n auto --dist worksteal --durations=$(DURATIONS); in_process=$$?; \
+	$(VENV)/bin/python -m pytest -m e2e --durations=$(DURATIONS) && exit $$in_process
 
 # The quick tier: the unit and in-process tests (no process started, no network, Docker or GPU)
 # but the slow ones (runs compared with runs), the ones to run while changing code, on every core
