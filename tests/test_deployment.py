@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +53,35 @@ def _export_partitions(data, run_config: str = SMALL) -> None:
                     "--out", str(data), "--run-config", run_config], check=True, capture_output=True)
 
 
-def _simulate(run_config: dict, out, node_config: str = "") -> None:
-    """The same run as a 3-client simulation, outputs in ``out``; ``node_config``: every
-    simulated site's own settings (``experiments.simulation --node-config``)."""
-    subprocess.run([sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
-                    json.dumps({**run_config, "output-dir": str(out)}), "--node-config", node_config],
-                   cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+@pytest.fixture
+def simulate():
+    """Start the same run as a 3-client simulation, outputs in ``out``, in the background:
+    ``simulate(run_config, out, node_config)`` (``node_config``: every simulated site's own
+    settings, ``experiments.simulation --node-config``) returns a function that waits for it and
+    fails with its log if it failed. A simulation spends most of its half minute waiting for Ray
+    to start, so it runs beside the deployment it is compared with; one still running when the
+    test ends is killed with everything it started."""
+    started: list[subprocess.Popen] = []
+
+    def start(run_config: dict, out: Path, node_config: str = "") -> Callable[[], None]:
+        log = out.parent / f"{out.name}.log"
+        with log.open("wb") as stream:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "experiments.simulation", "--clients", "3", "--run-config",
+                 json.dumps({**run_config, "output-dir": str(out)}), "--node-config", node_config],
+                cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        started.append(process)
+
+        def finished() -> None:
+            assert process.wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
+        return finished
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 # One noise secret for the simulated sites and the deployed ones of a DP comparison: each site
@@ -140,7 +164,7 @@ def test_tls_federation_with_node_auth_trains_on_local_data_and_refuses_an_unreg
     assert np.mean(np.asarray(predicted) == labels) == pytest.approx(delivery["accuracy"]["2"])
 
 
-def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_path, certs, monkeypatch):
+def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_path, certs, monkeypatch, simulate):
     """The simulation's partitions as each site's own data folder, two sites in warm workers and
     one with Flower's own process per message: the final model is the simulation's, bit for bit
     (one normalization for every client, the warm worker computes what a fresh process does, and
@@ -151,7 +175,7 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
     data = tmp_path / "data"
     _export_partitions(data)
     simulated = tmp_path / "simulated"
-    _simulate(config, simulated)
+    simulation = simulate(config, simulated)
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
@@ -163,6 +187,7 @@ def test_deployed_sites_on_exported_partitions_get_the_simulations_model(tmp_pat
         assert "Messages sealed" in federation.log(run_id)  # the deployed path, not the simulation's
     finally:
         federation.close()
+    simulation()
     _assert_same_final_state(simulated, deployed)
 
 
@@ -172,7 +197,8 @@ def _per_client(out, *columns: str) -> dict[tuple[str, str], tuple[str, ...]]:
     return {(row["round"], row["partition_id"]): tuple(row[c] for c in columns) for row in rows}
 
 
-def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation_does(tmp_path, certs, monkeypatch):
+def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation_does(tmp_path, certs, monkeypatch,
+                                                                                     simulate):
     """FedProx and Ditto on deployed sites (one with Flower's own process per message, two in warm
     workers), one run after the other on the same federation: every site's accuracy and loss in
     every round, and the final global model, are the simulation's, bit for bit. Ditto's personal
@@ -185,8 +211,8 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
     methods = {"fedprox": {"prox-mu": 0.1}, "ditto": {"ditto-lambda": 0.5}}
     data = tmp_path / "data"
     _export_partitions(data)
-    for method, knobs in methods.items():
-        _simulate({**common, **knobs, "strategy": method}, tmp_path / f"simulated-{method}")
+    simulations = [simulate({**common, **knobs, "strategy": method}, tmp_path / f"simulated-{method}")
+                   for method, knobs in methods.items()]
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
@@ -198,6 +224,8 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
             assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
     finally:
         federation.close()
+    for simulation in simulations:
+        simulation()
     for method in methods:
         simulated, deployed = tmp_path / f"simulated-{method}", tmp_path / method
         measured = ("accuracy", "test_loss", "train_loss", "num_examples")
@@ -211,7 +239,7 @@ def test_fedprox_and_dittos_personal_models_deployed_compute_what_the_simulation
         assert info["round"] == 3 and info["accuracy"] == pytest.approx(float(last[("3", str(pid))][0]), abs=0)
 
 
-def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch):
+def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path, certs, monkeypatch, simulate):
     """Client state in a real deployment, for pFedVEM (its posterior means live on the server, by
     partition-id, their scales at the sites) and FedPer (its heads stay at the sites, on their
     disk, and never travel): two
@@ -228,10 +256,11 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
                # differential privacy at every site: each site's ledger kept on its disk, its noise
                # drawn from its secret (the simulated sites share the deployed ones')
                "fedpac": {"dp": True}}
-    sites = f"state-dir='{tmp_path / 'simulated-sites'}' dp-noise-secret='{SHARED_SECRET}'"
-    for method, knobs in methods.items():
-        _simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4}, tmp_path / f"simulated-{method}",
-                  sites)
+    # each method's simulation its own sites' folders: the three run at once
+    simulations = [simulate({**common, **knobs, "strategy": method, "num-server-rounds": 4},
+                            tmp_path / f"simulated-{method}",
+                            f"state-dir='{tmp_path / f'simulated-sites-{method}'}' dp-noise-secret='{SHARED_SECRET}'")
+                   for method, knobs in methods.items()]
     federation = Federation(tmp_path / "deployed", certs, num_nodes=3)
     try:
         federation.register(0, 1, 2)
@@ -262,6 +291,8 @@ def test_client_state_survives_a_killed_supernode_and_a_resumed_server(tmp_path,
         assert int(rounds_of(less_noise)[0]["num_trained"]) == 2
     finally:
         federation.close()
+    for simulation in simulations:
+        simulation()
     measured = ("accuracy", "test_loss", "train_loss", "num_examples")
     for method in methods:
         simulated, resumed = tmp_path / f"simulated-{method}", tmp_path / f"resumed-{method}"

@@ -274,6 +274,16 @@ def test_private_statistics_are_a_from_scratch_gaussian_mechanism_on_clipped_fea
     assert got.counts.tolist() != one_hot.sum(dim=0).tolist()  # noised
 
 
+def test_a_site_without_the_last_classes_releases_a_count_for_every_class():
+    """A label-skewed site often holds none of some classes: its released counts still have one
+    entry per class (the missing ones noised from zero), or the server's per-class statistics
+    would be misaligned."""
+    labels = torch.tensor([0, 1, 1, 2, 0, 2, 2])
+    with private_site(PrivacySettings(statistics_noise_multiplier=1.0), 3):
+        counts = class_counts(labels, 10)
+    assert counts.shape == (10,) and int(counts.sum()) == len(labels)
+
+
 def test_noisy_counts_become_whole_counts_that_sum_to_the_public_n():
     assert privacy.counts_summing_to(torch.tensor([10.4, -3.0, 5.2, 4.9]), 20).tolist() == [10.0, 0.0, 5.0, 5.0]
     assert privacy.counts_summing_to(torch.tensor([-1.0, -2.0]), 3).sum() == 3

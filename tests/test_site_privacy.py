@@ -107,7 +107,7 @@ def test_each_site_makes_its_own_secret_readable_by_it_alone(tmp_path):
     (tmp_path / "a" / "noise-secret").write_text("not hex")
     with pytest.raises(ValueError, match="damaged"):
         site_secret(tmp_path / "a")
-    with pytest.raises(ValueError, match="64 hex digits|hex digits"):
+    with pytest.raises(ValueError, match=r"a noise secret is 64 hex digits \(32 bytes\)"):
         parse_secret("00" * 31)
     # one stream per release and purpose, and none a guess without the key can make
     assert len({noise_seed(first, "r1", "noise"), noise_seed(first, "r2", "noise"), noise_seed(first, "r1", "sampling"),
@@ -200,6 +200,8 @@ def test_the_ledger_charges_a_release_once_and_refuses_damage(tmp_path):
     ledger.append(Entry("a", "run-2", 1, one))  # the same release asked again: nothing new
     ledger.append(Entry("b", "run-2", 2, one, refused=True))  # withheld: not charged
     assert ledger.spent().history == one.history
+    assert ledger.find("a") == Entry("a", "run-1", 1, one)  # the first charge: what a repeat reuses
+    assert ledger.find("b") is None and ledger.find("zz") is None  # withheld, or never released
     ledger.append(Entry("c", "run-2", 2, one))
     assert ledger.spent().epsilon(1e-5) == pytest.approx(one.repeated(2).epsilon(1e-5))
     # a crash while appending leaves a line without its end: ignored, then dropped by the next append
