@@ -69,7 +69,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("test_data.py", "test_partition.py", "test_vem_partitions.py")),
     "sites": (("common/sites.py", "common/site_state.py", "server_app/federation.py", "client_app/site_model.py"),
               ("test_sites.py", "test_operator.py", "test_site_state.py", "test_site_models.py", "test_preflight.py",
-               "test_strategy.py")),
+               "test_strategy.py", "test_site_privacy.py")),
     "robust": (("common/robust.py",), ("test_robust.py", "test_strategy.py")),
     "executor": (("deploy/warm_executor.py",), ("test_warm_executor.py",)),
     "new-methods": (("common/methods/fedprox/client.py", "common/methods/fedprox/server.py",
@@ -144,6 +144,10 @@ def mutmut_config(sources: tuple[str, ...], tests: tuple[str, ...]) -> str:
         # A mutant's run starts a pytest session (seconds on a loaded machine) before its first
         # test: mutmut's 1 s allowance made most of them "timeout", i.e. killed, on two busy cores.
         "timeout_constant": 30.0,
+        # mutmut's default 15 x (the tests' time + the constant) makes each mutant that hangs a
+        # test (a wait that never ends) cost 8 minutes or more; 4 x still leaves a loaded machine
+        # room, and such a mutant is a timeout, i.e. killed, either way.
+        "timeout_multiplier": 4.0,
     }
     return "\n[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
 

@@ -6,10 +6,13 @@ and a crash while a model becomes current leaves the previous one in force."""
 
 from __future__ import annotations
 
+import csv
 import json
+import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +154,50 @@ def test_a_current_run_folder_deleted_by_hand_falls_back_to_the_copy_at_the_top(
     shutil.rmtree(tmp_path / "runs" / "12")
     model, info = load_site_model(tmp_path)
     assert info.run_id == 12 and _same_weights(model, kept)
+
+
+class _Opens:
+    """Unpickled, opens (creates) a file: what a hostile model file could run instead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (str(self.path), "w"))
+
+
+def test_a_model_file_that_runs_code_when_loaded_is_refused_whatever_the_environment(tmp_path, monkeypatch):
+    """The site loads only tensors from model.pt, even where the environment tells torch to
+    unpickle anything by default (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, a setting some tools ask for)."""
+    _save(tmp_path / "site", 1, 1, 1)
+    marker = tmp_path / "ran"
+    torch.save({"head.weight": _Opens(marker)}, site_model.model_folder(tmp_path / "site") / site_model.MODEL_FILE)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError):
+        load_site_model(tmp_path / "site")
+    assert not marker.exists()
+
+
+def test_a_model_file_missing_a_weight_or_holding_another_is_refused(tmp_path):
+    """A model.pt that does not fit the model its model.json describes is an error, never a model
+    left partly at its random initialization."""
+    _save(tmp_path / "site", 1, 1, 1)
+    path = site_model.model_folder(tmp_path / "site") / site_model.MODEL_FILE
+    state = torch.load(path, weights_only=True)
+    for changed in ({k: v for k, v in state.items() if k != "head.bias"}, {**state, "head.extra": torch.zeros(1)}):
+        torch.save(changed, path)
+        with pytest.raises(RuntimeError, match="state_dict"):
+            load_site_model(tmp_path / "site")
+
+
+def test_fedpac_predict_writes_one_row_per_image_to_the_csv_it_is_given(tmp_path, capsys):
+    model = _save(tmp_path / "site", 1, 1, 1)
+    images = (np.arange(3 * 28 * 28) % 251).astype(np.uint8).reshape(3, 28, 28)
+    np.savez(tmp_path / "images.npz", x=images)
+    out = tmp_path / "predictions.csv"
+    assert site_model.main([str(tmp_path / "site"), str(tmp_path / "images.npz"), "--out", str(out)]) == 0
+    rows = list(csv.reader(out.open()))
+    assert rows[0] == ["image", "class", "confidence"] and len(rows) == 4
+    labels, _ = site_model.predict(model.eval(), _info(1, 1), images)
+    assert [int(r[1]) for r in rows[1:]] == labels.tolist()
+    assert "3 images, model of run 1" in capsys.readouterr().err

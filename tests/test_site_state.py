@@ -41,6 +41,9 @@ def test_a_resumed_run_starts_from_the_round_its_checkpoint_holds_not_the_interr
         interrupted.save(server_round, _kept(server_round))
     resumed = SiteStore(tmp_path, 0, (("run-a", 1), ("run-b", 3)))
     assert _value(resumed.load(2)) == 2  # round 3's train message reads what was kept after round 2
+    # asked for round 3 before it trained there (evaluated first), the site still holds round 2's
+    # state: the interrupted run's round 3 is not the resumed run's
+    assert _value(resumed.load(3)) == 2
     resumed.save(3, _kept(30))
     assert _value(resumed.load(3)) == 30 and _value(interrupted.load(3)) == 3
     # a site that never trained in the resumed run still finds what it kept in the earlier one
@@ -105,3 +108,16 @@ def test_the_site_model_takes_the_shared_parts_as_sent_and_its_own_parts_as_kept
 def test_a_message_without_a_part_the_method_shares_is_an_error():
     with pytest.raises(ValueError, match="lacks the extractor that fedper shares"):
         site_model_state(METHODS["fedper"], {"head.weight": np.zeros(2)}, None, lambda: _state(0.0))
+
+
+def test_a_run_s_rounds_only_go_forward_and_the_same_round_may_come_again(tmp_path):
+    """A message naming an earlier round than the run's newest kept one is refused (it is not the
+    server's run going on); the same round again (an evaluation after the training, an honest
+    repeat) and any later one pass."""
+    store = SiteStore(tmp_path, 0, (("run-a", 1),))
+    store.check_round(1)  # nothing kept yet
+    store.save(3, _kept(3))
+    store.check_round(3)
+    store.check_round(4)
+    with pytest.raises(ValueError, match="round 2 goes back: this run's site state is already at round 3"):
+        store.check_round(2)

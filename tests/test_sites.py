@@ -100,6 +100,16 @@ def test_the_registry_refuses_unknown_identities_and_denied_claims_and_keeps_a_c
     assert sites.node_partition == {5: 0}
 
 
+def test_a_node_excluded_for_its_pre_flight_answer_loses_its_partition_and_keeps_the_reason():
+    sites = SiteRegistry()
+    assert sites.bind(3, 0, Identity("supernode-0"), connected={3}) is None
+    refusal = sites.exclude(3, "its data folder is missing")
+    assert refusal.final and refusal.reason == "its data folder is missing"
+    assert sites.refused[3] == refusal and 3 not in sites.node_partition and sites.node_of(0) is None
+    # the partition's next node takes it, as after any node that left
+    assert sites.bind(4, 0, Identity("supernode-0"), connected={4}) is None and sites.node_of(0) == 4
+
+
 def test_believed_claims_need_no_identity_but_still_keep_a_connected_nodes_partition():
     sites = SiteRegistry(trusted_claims=True)
     assert sites.screen(1, Identity(), 3) is None
