@@ -146,3 +146,19 @@ def test_two_methods_cannot_declare_the_same_knob(monkeypatch):
     monkeypatch.setattr(common.config, "METHODS", {"ditto": Ditto("ditto"), "other": Other("other")})
     with pytest.raises(ValueError, match="'ditto-lambda' is declared by both Ditto and Other"):
         common.config.method_settings()
+
+
+def test_ditto_s_two_updates_draw_their_batches_from_the_round_s_generator_alone():
+    """Both of Ditto's updates (the personal model's and the global model's) shuffle with the
+    generator the round gives them: the same seed gives the same models whatever torch's global
+    random state, so a run (and its resume) is reproducible."""
+    trained = []
+    for global_seed in (1, 2):
+        received, data = _setup()
+        torch.manual_seed(global_seed)
+        model = copy.deepcopy(received)
+        _update(Ditto("ditto", lam=0.5), model, data, seed=7)
+        trained.append((model.state_dict(), data.state.get(PERSONAL_MODEL)))
+    (first, personal_first), (second, personal_second) = trained
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert all(np.array_equal(personal_first[k], personal_second[k]) for k in personal_first)

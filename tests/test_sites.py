@@ -95,6 +95,7 @@ def test_the_registry_refuses_unknown_identities_and_denied_claims_and_keeps_a_c
     # a second registration under the same name: refused while the first is connected ...
     twin = sites.bind(4, 0, Identity("supernode-0"), connected={3, 4})
     assert twin.final and "served by connected node 3" in twin.reason and sites.node_partition == {3: 0}
+    assert sites.refused[4] == twin  # remembered under the twin's own id, asked nothing more
     # ... a node that is gone hands its partition on (a restart without authentication)
     assert sites.bind(5, 0, Identity("supernode-0"), connected={5}) is None
     assert sites.node_partition == {5: 0}
