@@ -45,14 +45,17 @@ provision: install
 	deploy/install-datasets.sh
 
 # The tests that start no process (the quick tier and the slow in-process ones) on every core,
-# then those that do (e2e: deployments, Docker, network namespaces) one at a time, as they size
-# their waits for a machine of their own; both run even if the first fails.
+# then those that do (e2e: deployments, Docker, network namespaces) two at a time: they spend most
+# of their time waiting (for a heartbeat to lapse, a node to rejoin, Ray to start), and those
+# that share a machine-wide resource carry one xdist_group (tests/deployment.py). Both passes run
+# even if the first fails. E2E_WORKERS=0 runs the e2e tier in one process.
 DURATIONS ?= 12
+E2E_WORKERS ?= 2
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -m "not e2e" -n auto --dist worksteal --durations=$(DURATIONS); in_process=$$?; \
-	$(VENV)/bin/python -m pytest -m e2e --durations=$(DURATIONS) && exit $$in_process
+	$(VENV)/bin/python -m pytest -m e2e -n $(E2E_WORKERS) --dist loadgroup --durations=$(DURATIONS) && exit $$in_process
 
 # The quick tier: the unit and in-process tests (no process started, no network, Docker or GPU)
 # but the slow ones (runs compared with runs), the ones to run while changing code, on every core

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.prerequisites import require_tools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +29,11 @@ BIN = Path(sys.executable).parent
 FEDERATION = "fedpac-test"
 # A small run: enough to show the federation trains, quick on two cores.
 SMALL = "samples-per-client=100 test-samples-per-client=50 local-epochs=1"
+# make test runs the e2e tier on two pytest-xdist workers (--dist loadgroup). A plain `flwr run .`
+# and deploy/simulate.sh hand their run to the local SuperLink on Flower's fixed local ports
+# (127.0.0.1:39091/39093), one per machine, which each such test starts and stops: the tests that
+# use it carry this mark, so that one worker runs them one after the other.
+LOCAL_SUPERLINK = pytest.mark.xdist_group("flower-local-superlink")
 
 
 _HANDED_OUT: set[int] = set()

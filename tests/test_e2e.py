@@ -21,11 +21,11 @@ import pytest
 from common.config import FedPACConfig
 from common.model import split_state
 from server_app.app import initial_model
-from tests.deployment import process_gone
+from tests.deployment import LOCAL_SUPERLINK, process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 FLWR = str(Path(sys.executable).with_name("flwr"))
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, LOCAL_SUPERLINK]
 
 
 def foreign_local_superlinks() -> list[str]:

@@ -35,7 +35,7 @@ import pytest
 
 from common.site_privacy import privacy_folder
 from server_app.ray_cluster import ship_app
-from tests.deployment import SMALL, rounds_of, run_dir
+from tests.deployment import LOCAL_SUPERLINK, SMALL, rounds_of, run_dir
 from tests.netns import VirtualNetwork
 from tests.prerequisites import require_root_networking, require_tools
 
@@ -173,6 +173,7 @@ def test_ship_app_adds_the_client_packages_and_keeps_the_rest():
 
 
 @pytest.mark.e2e
+@LOCAL_SUPERLINK  # the one-host run is deploy/simulate.sh's
 def test_two_hosts_train_the_one_host_model_bit_for_bit(network, tmp_path):
     home = tmp_path / "home"
     home.mkdir()

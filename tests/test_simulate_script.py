@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.deployment import LOCAL_SUPERLINK
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, LOCAL_SUPERLINK]
 
 # One round on two clients of a few embedded images: the script's behaviour, not learning.
 TINY = ("num-server-rounds=1 samples-per-client=20 test-samples-per-client=10 min-train-per-class=1 "
