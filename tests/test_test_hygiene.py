@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fedpac-tests-flwr-home-"
 
@@ -46,6 +48,29 @@ def test_a_pytest_run_with_an_xdist_worker_leaves_nothing_in_the_temp_folder(tmp
     # (pytest-of-<user>/pytest-<n>, of which pytest keeps the last three), empty here
     assert [entry.name for entry in temp.iterdir() if not entry.name.startswith("pytest-of-")] == []
     assert [f for f in temp.rglob("*") if not f.is_dir() and not f.is_symlink()] == []
+
+
+@pytest.mark.xdist_group("hygiene-check")
+@pytest.mark.parametrize("index", range(4))
+def test_one_of_a_group_of_four_says_where_it_ran(index):
+    """What the next test runs: each of four tests of one group prints its worker."""
+    print(f"GROUPED {index} ON {os.environ.get('PYTEST_XDIST_WORKER', 'no worker')}")
+
+
+def test_the_tests_of_one_xdist_group_run_on_one_worker():
+    """make test's e2e tier runs on two workers with --dist loadgroup, and the tests that share
+    Flower's one local SuperLink must never run at once: the four tests of a group, under the
+    project's conftest, all run on one of two workers (pytest 9.2 lost xdist's grouping,
+    pytest-dev/pytest-xdist#1386; tests/conftest.py puts it back)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_", "FLWR_HOME"))}
+    node = f"{Path(__file__).relative_to(ROOT)}::test_one_of_a_group_of_four_says_where_it_ran"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-n", "2",
+                          "--dist", "loadgroup", node], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    placed = dict(re.findall(r"GROUPED (\d) ON (\w+)", run.stdout))
+    assert sorted(placed) == ["0", "1", "2", "3"], run.stdout
+    assert len(set(placed.values())) == 1, placed
 
 
 # ---------------------------------------------------------------------- security properties, quickly
