@@ -17,7 +17,7 @@ from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS
 from common.methods.base import Method, settings_of
 from common.methods.pfedvem import SAMPLE_PROTOCOLS
-from common.privacy import PrivacySettings
+from common.privacy import ACCOUNTANTS, PrivacySettings
 from common.robust import AGGREGATIONS
 from common.sites import PartitionMap
 
@@ -194,6 +194,9 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # > 0: each site scales both noise multipliers by one factor, found before its first round, so
     # that num-server-rounds rounds of its releases reach this epsilon (their ratio stays).
     dp_target_epsilon: float = 0.0
+    # How each site composes its releases into epsilon: "rdp" (Rényi DP) or "prv" (the privacy
+    # random variable accountant: tighter, so dp-target-epsilon calibrates less noise; slower).
+    dp_accountant: str = "rdp"
     # Run
     seed: int = 0
     device: str = "auto"
@@ -307,8 +310,11 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(not cfg.dp_epsilon_budget or cfg.dp_epsilon_budget >= cfg.dp_target_epsilon, k("dp_epsilon_budget"),
            cfg.dp_epsilon_budget, f"0 or >= dp-target-epsilon = {cfg.dp_target_epsilon:g}: a smaller budget stops "
            "every site before the last round")
+    _check(cfg.dp_accountant in ACCOUNTANTS, k("dp_accountant"), cfg.dp_accountant, f"one of {', '.join(ACCOUNTANTS)}")
     _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
            "false with dp = true (per-sample gradients are taken in float32)")
+    refusal = METHODS[cfg.strategy].dp_refusal
+    _check(not (cfg.dp and refusal), k("dp"), cfg.dp, f"false with strategy '{cfg.strategy}': {refusal}")
     _check(0.0 <= cfg.alpha_threshold < 1.0, k("alpha_threshold"), cfg.alpha_threshold, "in [0, 1)")
     _check(cfg.qp_solver in QP_SOLVERS, k("qp_solver"), cfg.qp_solver, f"one of {', '.join(QP_SOLVERS)}")
     _check(cfg.dataset in DATASETS, k("dataset"), cfg.dataset, f"one of {', '.join(DATASETS)}")
@@ -466,7 +472,8 @@ def privacy_settings(cfg: FedPACConfig) -> PrivacySettings | None:
     return PrivacySettings(noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_max_grad_norm,
                            statistics_noise_multiplier=cfg.dp_statistics_noise_multiplier,
                            feature_clip=cfg.dp_feature_clip, delta=cfg.dp_delta, epsilon_budget=cfg.dp_epsilon_budget,
-                           target_epsilon=cfg.dp_target_epsilon, rounds=cfg.num_server_rounds)
+                           target_epsilon=cfg.dp_target_epsilon, rounds=cfg.num_server_rounds,
+                           accountant=cfg.dp_accountant)
 
 
 def sites_keep_state(cfg: FedPACConfig) -> bool:

@@ -22,7 +22,8 @@ from common.model import FedPACNet
 AlignmentTerm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _batches(num_samples: int, batch_size: int, generator: torch.Generator, device: torch.device):
+def shuffled_batches(num_samples: int, batch_size: int, generator: torch.Generator, device: torch.device):
+    """One epoch's minibatches: the indices of a fresh shuffle, ``batch_size`` at a time."""
     order = torch.randperm(num_samples, generator=generator).to(device)
     return order.split(batch_size)
 
@@ -67,7 +68,7 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     """
     site = privacy.active()
     if site is None:
-        batches = (idx for _ in range(epochs) for idx in _batches(num_samples, batch_size, generator, device))
+        batches = (idx for _ in range(epochs) for idx in shuffled_batches(num_samples, batch_size, generator, device))
     else:
         size = num_samples if public_size is None else public_size
         rate = privacy.sample_rate(size, batch_size)

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
+from flwr.app import MessageType
+from flwr.serverapp import Grid
 
+from client_app.app import _generator, client_tensors, current_concept
+from common import protocol as p
 from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
 from common.methods import METHODS
 from common.methods.client import LocalData, Received, SiteState, client_routine
@@ -18,7 +25,11 @@ from common.methods.ditto import Ditto
 from common.methods.ditto.client import PERSONAL_MODEL
 from common.methods.fedprox import FedProx
 from common.model import FedPACNet
+from common.site_state import SiteStore
 from common.training import parameters_of, proximal_term
+from federation import InProcessGrid
+from reference_sgd import Params, batches, loss_and_gradient, params_of, sgd_step
+from server_app.app import run_fedpac
 
 CFG = FedPACConfig(local_epochs=2, batch_size=8, extractor_lr=0.05)
 
@@ -162,3 +173,85 @@ def test_ditto_s_two_updates_draw_their_batches_from_the_round_s_generator_alone
     (first, personal_first), (second, personal_second) = trained
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert all(np.array_equal(personal_first[k], personal_second[k]) for k in personal_first)
+
+
+# ---------------------------------------------------------------------------- Ditto, from scratch
+
+
+def reference_ditto_personal(net: FedPACNet, v: Params, w: Params, lam: float, x: torch.Tensor, y: torch.Tensor,
+                             cfg: FedPACConfig, generator: torch.Generator) -> Params:
+    """Ditto's personal update (Algorithm 1 of Li et al., 2021): E epochs of SGD on
+    F_k(v) + (lambda / 2) ||v - w^t||^2, whose gradient is grad F_k(v) + lambda (v - w^t), pulled
+    towards the *received* global model w^t (torch's momentum and weight decay, as the harness's
+    SGD)."""
+    buffers: Params = {}
+    for idx in batches(len(y), cfg.batch_size, cfg.local_epochs, generator):
+        _, grads = loss_and_gradient(net, v, x[idx], y[idx])
+        pulled = {k: g + lam * (v[k] - w[k]) for k, g in grads.items()}
+        v = sgd_step(v, pulled, buffers, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+    return v
+
+
+def reference_sgd(net: FedPACNet, w: Params, x: torch.Tensor, y: torch.Tensor, cfg: FedPACConfig,
+                  generator: torch.Generator) -> Params:
+    """FedAvg's local update of the global model: E epochs of plain SGD on F_k(w)."""
+    buffers: Params = {}
+    for idx in batches(len(y), cfg.batch_size, cfg.local_epochs, generator):
+        _, grads = loss_and_gradient(net, w, x[idx], y[idx])
+        w = sgd_step(w, grads, buffers, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+    return w
+
+
+def _assert_close(actual: dict, expected: Params) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(np.asarray(actual[key]), value.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_ditto_s_second_round_is_the_paper_s_update_of_both_models():
+    """Round 2 at a site whose kept personal model v differs from the global model w^t it
+    received: v trains towards w^t (not towards where v itself started), then w^t trains on plain
+    CE (no pull), each as a from-scratch SGD does, to 1e-6; the generator's draws go to the
+    personal model's epochs first."""
+    _, data = _setup()
+    torch.manual_seed(1)
+    received = FedPACNet(1, 28, 10)
+    torch.manual_seed(2)
+    kept = FedPACNet(1, 28, 10)
+    data = dataclasses.replace(data, state=SiteState({PERSONAL_MODEL: {k: v.detach().numpy().copy()
+                                                                       for k, v in kept.state_dict().items()}}))
+    generator = torch.Generator().manual_seed(4)
+    v = reference_ditto_personal(FedPACNet(1, 28, 10), params_of(kept), params_of(received), 2.0, data.x, data.y,
+                                 CFG, generator)
+    w = reference_sgd(FedPACNet(1, 28, 10), params_of(received), data.x, data.y, CFG, generator)
+
+    model = copy.deepcopy(received)
+    _update(Ditto("ditto", lam=2.0), model, data, seed=4)
+
+    _assert_close(data.state.get(PERSONAL_MODEL), v)
+    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, w)
+
+
+def test_ditto_s_client_app_continues_in_round_2_the_personal_model_it_kept_after_round_1(tmp_path):
+    """Through the ClientApp and the site's disk (``common.site_state``): a two-round federation;
+    each site's personal model after round 2 is round 1's kept one trained towards the global
+    model round 2's message carried, on the site's data with the round's generator, from scratch."""
+    config = {"strategy": "ditto", "samples-per-client": 40, "test-samples-per-client": 20, "local-epochs": 1,
+              "batch-size": 20, "num-server-rounds": 2, "output-dir": str(tmp_path)}
+    cfg = parse_run_config(config)
+    grid = InProcessGrid(config, 2)
+    strategy, _ = run_fedpac(cast(Grid, grid), cfg, 1)
+    for message in grid.sent:
+        if message.metadata.message_type != MessageType.TRAIN or message.content[p.CONFIG][p.SERVER_ROUND] != 2:
+            continue
+        pid = grid.partition_of_node[message.metadata.dst_node_id]
+        store = SiteStore(Path(os.environ["FLWR_HOME"]) / "fedpac-site-state", pid, strategy.lineage)
+        after_one, after_two = store.load(1)[PERSONAL_MODEL], store.load(2)[PERSONAL_MODEL]
+        w = {k: torch.as_tensor(v) for k, v in p.sections_of(message.content)[p.MODEL].items()}
+        assert any(not np.array_equal(after_one[k], w[k].numpy()) for k in w)  # the two differ
+        x, y, _, _ = client_tensors(cfg, pid, 2, torch.device("cpu"))
+        expected = reference_ditto_personal(
+            FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes),
+            {k: torch.as_tensor(v) for k, v in after_one.items()}, w, configured_method(cfg).lam, x,
+            current_concept(y, cfg, pid, 2), cfg, _generator(cfg, 2, pid))
+        _assert_close(after_two, expected)

@@ -29,6 +29,7 @@ from common.config import parse_run_config
 from common.files import npz_bytes
 from common.methods import METHODS, Method
 from common.methods.fedccfa.server import ANCHORS
+from common.methods.fedfomo.client import WEIGHTS as FEDFOMO_WEIGHTS
 from common.methods.server import HEAD, ServerPart, server_part
 from common.model import HEAD_PREFIX, split_state
 from common.validation import MAX_SAMPLE_COUNT, V_ROUNDING, InvalidReply
@@ -297,7 +298,7 @@ class Row:
 
 ENVELOPE = (QUERY, TRAIN, EVALUATE)  # the checks every kind of reply goes through
 EVALUATIONS = (EVALUATE, FUSED)  # the replies that carry an evaluation
-STATISTIC_KEYS = (p.CENTROID_VALUES, p.CLASS_COUNTS, p.H, p.BALANCED_WEIGHT, p.BALANCED_BIAS)
+STATISTIC_KEYS = (p.CENTROID_VALUES, p.CLASS_COUNTS, p.H, p.BALANCED_WEIGHT, p.BALANCED_BIAS, FEDFOMO_WEIGHTS)
 # The statistics the server casts to the model's float32, and the name its message gives them.
 CAST_STATISTICS = {p.CENTROID_VALUES: "statistics 'centroids'", p.H: "statistics 'h'",
                    p.BALANCED_WEIGHT: "balanced head", p.BALANCED_BIAS: "balanced head"}
@@ -358,7 +359,9 @@ ROWS: list[Row] = [
         applies=lambda m: not no_statistics(m)),
     Row("an extra statistic", (TRAIN,), add_statistic, "statistics hold unexpected arrays ['extra']",
         applies=lambda m: not no_statistics(m)),
-    *(Row(f"no {key}", (TRAIN,), drop_statistic(key), f"statistics lack '{key}'", applies=sends(key))
+    # (a method that sends one statistic alone is the row "no statistics")
+    *(Row(f"no {key}", (TRAIN,), drop_statistic(key), f"statistics lack '{key}'",
+          applies=lambda m, key=key: key in statistics_sent(m) and len(statistics_sent(m)) > 1)
       for key in STATISTIC_KEYS),
     *(Row(f"{key} of the wrong shape", (TRAIN,), set_array(p.STATISTICS, key, fewer_rows),
           f"statistics '{key}' has shape", applies=sends(key)) for key in STATISTIC_KEYS),

@@ -82,6 +82,9 @@ class Method:
     # (Ditto's personal models: ``common.methods.client.SiteState``), beside the model parts kept
     # there (:attr:`site_parts`).
     keeps_site_state: ClassVar[bool] = False
+    # Why the method cannot run with ``dp = true``, which the run config then refuses with this
+    # reason (kNN-Per: its prediction reads the training records as they are); empty: it can.
+    dp_refusal: ClassVar[str] = ""
 
     name: str
     extractor: Rule = Rule.AVERAGE
