@@ -325,7 +325,7 @@ def _noise_factor(  # pylint: disable=too-many-arguments
     _, released = _local_update_privately(method, copy.deepcopy(model), trial, received, cfg, settings, secret,
                                           "calibration-trial")
     rounds = max(1, settings.rounds - received.server_round + 1)
-    factor = calibrate(released, rounds, settings.target_epsilon, settings.delta, spent)
+    factor = calibrate(released, rounds, settings.target_epsilon, settings.delta, spent, settings.accountant)
     log(INFO, "partition %d: noise multipliers %.4g (gradients) and %.4g (statistics) reach epsilon = %g at "
         "delta = %g in %d rounds", partition_id, settings.noise_multiplier * factor,
         settings.statistics_noise_multiplier * factor, settings.target_epsilon, settings.delta, rounds)
@@ -369,7 +369,7 @@ def _private_update(  # pylint: disable=too-many-arguments,too-many-locals
     except PrivacyBudgetSpent:  # the next round refuses without training
         privacy.ledger.append(dataclasses.replace(entry, refused=True))
         raise
-    epsilon = total.epsilon(settings.delta)
+    epsilon = settings.epsilon(total)
     budget = settings.epsilon_budget
     log(INFO, "partition %d, round %d: differential privacy epsilon = %.4g at delta = %g%s", partition_id,
         server_round, epsilon, settings.delta, f" (budget {budget:g})" if budget else "")
@@ -380,11 +380,11 @@ def _private_update(  # pylint: disable=too-many-arguments,too-many-locals
 def _check_budget(spent: Ledger, after: Ledger, settings: PrivacySettings, partition_id: int,
                   server_round: int) -> None:
     """Raise :class:`PrivacyBudgetSpent` when ``after`` passes the site's budget."""
-    epsilon = after.epsilon(settings.delta)
+    epsilon = settings.epsilon(after)
     if epsilon > settings.epsilon_budget:
         raise PrivacyBudgetSpent(
             f"partition {partition_id} stops training at round {server_round}: its epsilon would go from "
-            f"{spent.epsilon(settings.delta):.4g} to {epsilon:.4g} at delta = {settings.delta:g}, over its "
+            f"{settings.epsilon(spent):.4g} to {epsilon:.4g} at delta = {settings.delta:g}, over its "
             f"budget dp-epsilon-budget = {settings.epsilon_budget:g}")
 
 

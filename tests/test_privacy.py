@@ -392,6 +392,46 @@ def test_calibration_finds_the_noise_that_reaches_the_target():
         privacy.calibrate(Ledger(), 10, 1.0, DELTA)
 
 
+
+def _opacus_prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    from opacus.accountants import PRVAccountant
+
+    accountant = PRVAccountant()
+    for sigma, q, times in history:  # Opacus's own bookkeeping, step by step
+        for _ in range(times):
+            accountant.step(noise_multiplier=sigma, sample_rate=q)
+    return float(accountant.get_epsilon(delta))
+
+
+def test_the_prv_accountant_is_opacus_s_and_tighter_than_renyi_dp():
+    history = [(1.1, 64 / 6000, 94), (11.0, 1.0, 4), (1.1, 64 / 6000, 94), (11.0, 1.0, 4)]
+    ledger = Ledger()
+    for sigma, q, times in history:
+        ledger.record(sigma, q, times)
+    prv = ledger.epsilon(DELTA, "prv")
+    assert prv == pytest.approx(_opacus_prv_epsilon(history, DELTA), rel=1e-9)
+    assert prv < ledger.epsilon(DELTA) < 1.2 * prv  # tighter, by the margin known for such releases
+    assert PrivacySettings(accountant="prv", delta=DELTA).epsilon(ledger) == prv
+    with pytest.raises(ValueError, match="unknown accountant 'pld'"):
+        ledger.epsilon(DELTA, "pld")
+
+
+def test_calibration_by_prv_reaches_the_target_with_less_noise_than_by_renyi_dp():
+    round_ledger = Ledger([(1.0, 64 / 6000, 188), (10.0, 1.0, 5)])
+    run = round_ledger.repeated(3)
+    rdp = privacy.calibrate(round_ledger, 3, 3.0, DELTA)
+    prv = privacy.calibrate(round_ledger, 3, 3.0, DELTA, accountant="prv")
+    assert 0.8 * rdp < prv < rdp
+    assert _opacus_prv_epsilon(run.scaled(prv).history, DELTA) <= 3.0
+    assert _opacus_prv_epsilon(run.scaled(prv * 0.99).history, DELTA) > 3.0
+
+
+def test_the_run_config_picks_the_sites_accountant():
+    settings = privacy_settings(parse_run_config({"dp": True, "dp-accountant": "prv"}))
+    assert settings is not None and settings.accountant == "prv"
+    assert cast(PrivacySettings, privacy_settings(parse_run_config({"dp": True}))).accountant == "rdp"
+
+
 # ------------------------------------------------------------------------- at the site
 
 
