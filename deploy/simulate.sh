@@ -24,7 +24,18 @@ app_dir="$(cd "$(dirname "$0")/.." && pwd)"
 # app with its own interpreter and packages, as its own user. Refuse instead.
 superlink="$(command -v flower-superlink || true)"
 [ -n "$superlink" ] || { echo "simulate.sh: flower-superlink not found: install the project (make install)" >&2; exit 1; }
-local_superlinks() { ps -eo pid=,user=,args= | grep -E '[f]lower-superlink .*--simulation' || true; }
+# Only those of this network namespace hold the ports `flwr run` talks to here: one in another
+# namespace (a container, a test's virtual host) is neither in the way nor this script's to stop.
+# A process whose namespace cannot be read (another user's) counts as in this one.
+own_netns="$(readlink /proc/$$/ns/net 2>/dev/null || true)"
+local_superlinks() {
+  # -ww: whole command lines; ps cuts them at the terminal's width (COLUMNS) otherwise, and a
+  # SuperLink's path would fall off the end unseen
+  ps -ww -eo pid=,user=,args= | grep -E '[f]lower-superlink .*--simulation' | while read -r pid rest; do
+    netns="$(readlink "/proc/$pid/ns/net" 2>/dev/null || echo "$own_netns")"
+    [ "$netns" != "$own_netns" ] || echo "$pid $rest"
+  done || true
+}
 foreign="$(local_superlinks | grep -vF " $superlink " || true)"
 if [ -n "$foreign" ]; then
   echo "simulate.sh: a local SuperLink of another Python environment or user holds Flower's local ports" \

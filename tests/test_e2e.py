@@ -244,7 +244,7 @@ def test_simulate_sh_refuses_a_local_superlink_of_another_environment(tmp_path):
                                 "/opt/another-checkout/.venv/bin/flower-superlink", "--insecure", "--simulation"])
     try:
         env = {**os.environ, "PATH": f"{Path(FLWR).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               "FLWR_HOME": str(tmp_path / "home")}
+               "FLWR_HOME": str(tmp_path / "home"), "COLUMNS": "80"}  # a narrow terminal cuts ps's lines
         result = subprocess.run(["bash", str(ROOT / "deploy" / "simulate.sh"), "--clients", "2"], env=env,
                                 capture_output=True, text=True, timeout=60)
     finally:

@@ -44,6 +44,9 @@ def script_env(tmp_path_factory):
         "FLWR_HOME": str(tmp_path_factory.mktemp("flwr-home")),
         "FLWR_TELEMETRY_ENABLED": "0",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        # a narrow terminal: the script finds the SuperLink it started by its whole command line,
+        # which ps cuts at the terminal's width unless told not to
+        "COLUMNS": "80",
     }
 
 
