@@ -93,7 +93,8 @@ def test_a_superexec_the_superlink_stops_stays_stopped(lifespan):
     lifespan.exits = 0  # type: ignore[attr-defined]  # a steady SuperExec: the first pause after its exit is 1 s
     lifespan._start_superexec_if_needed()  # noqa: SLF001
     process = lifespan.superexec_process
-    assert process is not None and wait_for(lambda: starts.exists())
+    # its start noted (write_text makes the file before it writes to it)
+    assert process is not None and wait_for(lambda: starts.exists() and starts.read_text() == "x")
     lifespan.shutdown()
     assert process.poll() is not None
     # the watcher has ended: it can neither undo this stop nor outlive the SuperLink
