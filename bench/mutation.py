@@ -76,6 +76,13 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                      "common/methods/fedbabu/client.py", "common/methods/fedbabu/server.py"),
                     ("test_fedprox_ditto.py", "test_fedbabu.py", "test_baselines.py", "test_learning.py",
                      "test_site_state.py", "test_strategy.py")),
+    # the rest of the paper's Table 1 (issue 55), each package against its own tests and the ones
+    # every method goes through
+    "table1-methods": (tuple(f"common/methods/{package}/{part}.py"
+                             for package in ("apfl", "fedrod", "knnper", "pfedme", "fedfomo", "pfedhn")
+                             for part in ("client", "server")) + ("common/methods/pfedhn/hypernetwork.py",),
+                       ("test_lg_fedavg_apfl.py", "test_fedrod.py", "test_knnper.py", "test_pfedme.py",
+                        "test_fedfomo.py", "test_pfedhn.py", "test_fedprox_ditto.py", "test_baselines.py")),
     "client": (("common/training.py", "common/methods/fedpac/client.py", "common/methods/baselines/client.py",
                 "common/methods/fedccfa/client.py", "common/methods/pfedvem/client.py",
                 "common/methods/base.py", "common/methods/client.py",

@@ -23,6 +23,7 @@ from client_app.app import app as client_app
 from common import privacy
 from common import protocol as p
 from common.config import parse_run_config
+from common.methods import METHODS
 from common.privacy import Ledger
 from common.site_privacy import Entry, SiteLedger, SitePolicy, noise_seed, parse_secret, privacy_folder, site_secret
 from federation import InProcessGrid
@@ -303,7 +304,7 @@ def test_a_policy_in_the_node_config_is_checked():
 RELEASED = {p.PARTITION_ID, p.NUM_EXAMPLES, p.DP_EPSILON, p.V, p.RHO, p.LOCAL_ACCURACY}
 
 
-@pytest.mark.parametrize("method", ["fedpac", "fedavg-ft", "fedrep", "fedccfa", "pfedvem", "ditto", "fedbabu"])
+@pytest.mark.parametrize("method", sorted(name for name, m in METHODS.items() if not m.dp_refusal))
 def test_a_private_reply_withholds_the_losses_and_times_of_its_training(tmp_path, method):
     """With DP on, the training losses (the joint, head, alignment and personal ones, pFedVEM's
     E-step), pFedVEM's restore flag and the training time depend on the records and are outside
