@@ -421,20 +421,24 @@ def test_tables_serialize_each_round_once_and_equal_the_whole_history_written_at
 
 def test_charts_are_drawn_off_the_round_and_end_showing_the_last_round(tmp_path, monkeypatch):
     drawn: list[tuple[str, int]] = []
+    rounds_over = threading.Event()
+    waited: list[bool] = []
 
     def slow_plot(self, records, path):
         drawn.append((threading.current_thread().name, len(records)))
-        time.sleep(0.3)  # rounds end faster than the chart is drawn: the newest history wins
+        # the first chart is still being drawn when the rounds are over (the newest history then
+        # wins); a round that waited for it would hold the rounds up, and this wait would time out
+        waited.append(not rounds_over.wait(timeout=10))
         path.write_bytes(b"chart")
 
     monkeypatch.setattr(RunReport, "plot_accuracy", slow_plot)
     threads_before = set(threading.enumerate())
     report = _report(tmp_path)
-    started = time.perf_counter()
     for number in (1, 2, 3, 4):
         _end_round(report, number)
-    assert time.perf_counter() - started < 0.3  # no round waited for a chart
+    rounds_over.set()
     report.close()
+    assert not any(waited)  # no round waited for a chart
     assert drawn[-1][1] == 4 and len(drawn) < 4  # an outdated history was skipped
     assert all(thread == "chart-painter" for thread, _ in drawn)
     assert (tmp_path / "accuracy.png").read_bytes() == b"chart"
