@@ -9,6 +9,7 @@ the server's math (the QP's solver) is no dependency of a site.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from common import protocol as p
 from common.config import FedPACConfig
 from common.methods.base import Method
 from common.model import FedPACNet, part_of
+from common.training import to_numpy
 
 
 class SiteState:
@@ -36,6 +38,26 @@ class SiteState:
 
     def put(self, name: str, arrays: p.NDArrays) -> None:
         self.kept[name] = arrays
+
+
+def with_arrays(model: FedPACNet, arrays: Mapping[str, Any]) -> FedPACNet:
+    """A copy of ``model`` holding ``arrays`` (numpy or torch, by state-dict key) on its device."""
+    copied = copy.deepcopy(model)
+    device = next(copied.parameters()).device
+    copied.load_state_dict({key: torch.as_tensor(value, device=device) for key, value in arrays.items()})
+    return copied
+
+
+def kept_model(received: FedPACNet, state: SiteState, name: str) -> FedPACNet:
+    """The whole model the site kept under ``name`` (Ditto's personal model, APFL's local one),
+    or, before it first kept one, a copy of the model it received."""
+    kept = state.get(name)
+    return copy.deepcopy(received) if kept is None else with_arrays(received, kept)
+
+
+def keep_model(state: SiteState, name: str, model: torch.nn.Module) -> None:
+    """Keep ``model``'s whole state at the site under ``name``, as numpy arrays."""
+    state.put(name, {key: to_numpy(value) for key, value in model.state_dict().items()})
 
 
 # The name under which a site keeps the model parts its method never sends (``Method.site_parts``).

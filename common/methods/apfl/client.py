@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import protocol as p
 from common.config import FedPACConfig
 from common.methods.apfl import APFL
-from common.methods.client import ClientResult, ClientRoutine, LocalData, Received, SiteState
+from common.methods.client import (ClientResult, ClientRoutine, LocalData, Received, SiteState, keep_model, kept_model,
+                                   with_arrays)
 from common.model import FedPACNet
-from common.training import autocast, sgd_epochs, to_numpy
+from common.training import autocast, sgd_epochs
 
 LOCAL_MODEL = "apfl-local-model"  # v_i
 MIXING_WEIGHT = "apfl-mixing-weight"  # alpha_i, kept only when it adapts
@@ -133,18 +133,6 @@ def apfl_epochs(  # pylint: disable=too-many-arguments
     return APFLRound(global_loss=total - personal_loss, personal_loss=personal_loss, alpha=optimizer.alpha)
 
 
-def _with_state(model: FedPACNet, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> FedPACNet:
-    """A copy of ``model`` holding ``arrays`` (on its device)."""
-    copied = copy.deepcopy(model)
-    device = next(copied.parameters()).device
-    copied.load_state_dict({key: torch.as_tensor(value, device=device) for key, value in arrays.items()})
-    return copied
-
-
-def _as_arrays(model: nn.Module) -> p.NDArrays:
-    return {key: to_numpy(value) for key, value in model.state_dict().items()}
-
-
 class Routine(ClientRoutine):
     """One round at a site: :func:`apfl_epochs` on the received global model and the site's local
     model; the global model goes back, the local model (and an adapted alpha) stay."""
@@ -154,8 +142,7 @@ class Routine(ClientRoutine):
     def local_model(self, received: FedPACNet, state: SiteState) -> FedPACNet:
         """The site's local model v_i: the one it kept, or (before it first trained) a copy of
         the received global model."""
-        kept = state.get(LOCAL_MODEL)
-        return copy.deepcopy(received) if kept is None else _with_state(received, kept)
+        return kept_model(received, state, LOCAL_MODEL)
 
     def mixing_weight(self, state: SiteState) -> float:
         """alpha_i: the site's own when it adapts (from its first round on), else the setting's."""
@@ -167,7 +154,7 @@ class Routine(ClientRoutine):
         local = self.local_model(model, data.state)
         trained = apfl_epochs(model, local, self.mixing_weight(data.state), self.method.adapt_alpha, data.x, data.y,
                               cfg, generator)
-        data.state.put(LOCAL_MODEL, _as_arrays(local))
+        keep_model(data.state, LOCAL_MODEL, local)
         if self.method.adapt_alpha:
             data.state.put(MIXING_WEIGHT, {ALPHA: np.array([trained.alpha])})
         return ClientResult(num_examples=len(data.y), train_loss=trained.global_loss,
@@ -184,4 +171,4 @@ class Routine(ClientRoutine):
         device = next(model.parameters()).device
         local = {key: torch.as_tensor(value, device=device) for key, value in kept.items()}
         received = {key: value.detach() for key, value in model.state_dict().items()}
-        return _with_state(model, mix(local, received, self.mixing_weight(data.state)))
+        return with_arrays(model, mix(local, received, self.mixing_weight(data.state)))

@@ -4,16 +4,15 @@ back to the server."""
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 
 import torch
 
 from common.config import FedPACConfig
-from common.methods.client import ClientResult, ClientRoutine, LocalData, Received, SiteState
+from common.methods.client import (ClientResult, ClientRoutine, LocalData, Received, SiteState, keep_model, kept_model)
 from common.methods.ditto import Ditto
 from common.model import FedPACNet
-from common.training import parameters_of, proximal_term, to_numpy, train_joint
+from common.training import parameters_of, proximal_term, train_joint
 
 PERSONAL_MODEL = "ditto-personal-model"
 
@@ -21,12 +20,7 @@ PERSONAL_MODEL = "ditto-personal-model"
 def personal_model(received: FedPACNet, state: SiteState) -> FedPACNet:
     """The site's personal model v_k: the one it kept, or (first round) a copy of the received
     global model."""
-    model = copy.deepcopy(received)
-    kept = state.get(PERSONAL_MODEL)
-    if kept is not None:
-        device = next(model.parameters()).device
-        model.load_state_dict({key: torch.as_tensor(value, device=device) for key, value in kept.items()})
-    return model
+    return kept_model(received, state, PERSONAL_MODEL)
 
 
 class Routine(ClientRoutine):
@@ -41,7 +35,7 @@ class Routine(ClientRoutine):
         personal = personal_model(model, data.state)
         pull = partial(proximal_term, personal, parameters_of(model), self.method.lam)
         personal_loss = train_joint(personal, data.x, data.y, cfg, generator, penalty=pull)
-        data.state.put(PERSONAL_MODEL, {key: to_numpy(value) for key, value in personal.state_dict().items()})
+        keep_model(data.state, PERSONAL_MODEL, personal)
         train_loss = train_joint(model, data.x, data.y, cfg, generator)
         return ClientResult(num_examples=len(data.y), train_loss=train_loss, metrics={"personal-loss": personal_loss})
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from common.config import FedPACConfig
-from common.methods.client import ClientResult, ClientRoutine, LocalData, Received, SiteState
+from common.methods.client import (ClientResult, ClientRoutine, LocalData, Received, SiteState, keep_model, kept_model)
 from common.methods.pfedme import PFedMe
 from common.model import FedPACNet
-from common.training import autocast, parameters_of, proximal_term, shuffled_batches, to_numpy
+from common.training import autocast, parameters_of, proximal_term, shuffled_batches
 
 PERSONAL_MODEL = "pfedme-personal-model"
 
@@ -49,12 +49,7 @@ def solve_inner(personal: FedPACNet, anchor: dict[str, torch.Tensor], x: torch.T
 def personal_model(received: FedPACNet, state: SiteState) -> FedPACNet:
     """The site's personalized model theta_i: the one it kept after its last local update, or
     (before it first trained) a copy of the received global model."""
-    model = copy.deepcopy(received)
-    kept = state.get(PERSONAL_MODEL)
-    if kept is not None:
-        device = next(model.parameters()).device
-        model.load_state_dict({key: torch.as_tensor(value, device=device) for key, value in kept.items()})
-    return model
+    return kept_model(received, state, PERSONAL_MODEL)
 
 
 class Routine(ClientRoutine):
@@ -82,7 +77,7 @@ class Routine(ClientRoutine):
                                      cfg) * len(idx)
                 seen += len(idx) * method.k
                 step()
-        data.state.put(PERSONAL_MODEL, {key: to_numpy(value) for key, value in personal.state_dict().items()})
+        keep_model(data.state, PERSONAL_MODEL, personal)
         return ClientResult(num_examples=len(data.y), train_loss=float(total / seen) if seen else 0.0)
 
     def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
