@@ -57,12 +57,14 @@ TRIAGE = ROOT / "bench" / "mutation_triage.toml"
 # that starts a federation.
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "collaboration": (
-        ("common/simplex_qp.py", "common/collaboration.py", "common/statistics.py", "common/aggregation.py"),
+        ("common/methods/fedpac/simplex_qp.py", "common/methods/fedpac/collaboration.py", "common/statistics.py",
+         "common/methods/fedpac/statistics.py", "common/methods/fedpac/centroids.py"),
         ("test_simplex_qp.py", "test_collaboration.py", "test_statistics.py", "test_aggregation.py",
          "test_bench_reference.py", "test_operator.py"),
     ),
-    "concept-drift": (("common/clustering.py", "common/drift.py"), ("test_clustering.py", "test_drift.py")),
-    "variational": (("common/variational.py",), ("test_variational.py", "test_pfedvem.py")),
+    "concept-drift": (("common/methods/fedccfa/clustering.py", "common/drift.py"),
+                      ("test_clustering.py", "test_drift.py", "test_aggregation.py")),
+    "variational": (("common/methods/pfedvem/variational.py",), ("test_variational.py", "test_pfedvem.py")),
     "privacy": (("common/privacy.py", "common/site_privacy.py"), ("test_privacy.py", "test_site_privacy.py")),
     "config": (("common/config.py",), ("test_config.py", "test_config_table.py")),
     "data": (("common/data.py", "common/partition.py"),

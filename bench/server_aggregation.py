@@ -28,12 +28,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common.collaboration  # noqa: E402
+import common.methods.fedpac.collaboration  # noqa: E402
 from load import one_core_taken  # noqa: E402
 from common.config import FedPACConfig  # noqa: E402
 from common.methods import FEDPAC  # noqa: E402
 from common.methods.server import ServerPart, ServerState, StepResult, Update, server_part  # noqa: E402
-from common.collaboration import (  # noqa: E402
+from common.methods.fedpac.collaboration import (  # noqa: E402
     collaboration_matrix,
     gram_matrix,
     qp_objective,
@@ -155,13 +155,13 @@ def busy(args) -> None:
     for m in (100, 1000):
         data = synthetic_round(m, 10, "clustered")
         for label, threads in settings:
-            common.collaboration.SOLVER_BLAS_THREADS = threads if threads != 0 else os.cpu_count()
+            common.methods.fedpac.collaboration.SOLVER_BLAS_THREADS = threads if threads != 0 else os.cpu_count()
             idle = timed_round(data, args.repeats)
             with one_core_taken():
                 loaded = timed_round(data, args.repeats)
             rows.append(dict(m=m, blas_threads=label, idle_s=idle, loaded_s=loaded, ratio=loaded / idle))
             print(f"| {m} | {label} | {idle:.3f} | {loaded:.3f} | {loaded / idle:.2f}x |", flush=True)
-    common.collaboration.SOLVER_BLAS_THREADS = None
+    common.methods.fedpac.collaboration.SOLVER_BLAS_THREADS = None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cores": cores, "rows": rows}, indent=1))
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from common.clustering import WEIGHTS
+from common.methods.fedccfa.clustering import WEIGHTS
 from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS
 from common.methods.base import Method, settings_of

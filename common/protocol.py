@@ -25,7 +25,7 @@ no ``statistics`` section at all for FedAvg, FedAvg-FT, FedPer, FedRep and Local
 
 Every head on the wire is in ``nn.Linear``'s layout, weight (K, d): pFedVEM's posterior mean
 and scales and its prior mean too (its paper and code write W as (d, K); the client transposes,
-in ``common.variational.GaussianHead.from_linear`` and back).
+in ``common.methods.pfedvem.variational.GaussianHead.from_linear`` and back).
 
 Why one packed record: Flower moves every record, Array and Array chunk of a message as an
 object of its own, one authenticated request per object on every hop (ServerApp -> SuperLink ->

@@ -1,8 +1,9 @@
-"""Per-client feature statistics of FedPAC (Section 4 and Appendix A.3 of the paper).
+"""Per-class sums of a client's features, private when the site runs differential privacy.
 
-Everything here is plain torch over an extractor and a client's tensors: no Flower. The same
-batched pass yields both the statistics the server needs for the collaboration QP (h_i, V_i,
-computed *before* local training) and the local class centroids (eq. 17, computed *after*).
+Plain torch over an extractor and a client's tensors: no Flower. Several methods build on the
+same batched pass: FedPAC's statistics for the collaboration QP (h_i, V_i, computed *before*
+local training, ``common.methods.fedpac.statistics``) and its local class centroids (eq. 17,
+computed *after*), FedCCFA's local anchors.
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ class ClassFeatureSums:
     def class_means(self) -> torch.Tensor:
         """mu_ik: the mean embedding of each class, zero for an absent class."""
         return self.sums / self.counts.clamp(min=1.0).unsqueeze(1)
-
-
-@dataclass(frozen=True)
-class FeatureStatistics:
-    """What a client uploads for the collaboration QP: n_i, h_i (K x d) and V_i."""
-
-    num_samples: int
-    h: torch.Tensor  # (K, d): [p_ik * mu_ik]_k
-    v: float  # eq. 44 with Lambda = I
 
 
 @torch.no_grad()
@@ -97,20 +89,3 @@ def class_means(extractor: nn.Module, images: torch.Tensor, labels: torch.Tensor
     """mu_ik for every class k (zero for an absent one), float32: FedPAC's local centroids
     (eq. 17) and FedCCFA's local anchors. With DP only the sums and the counts are released."""
     return class_feature_sums(extractor, images, labels, num_classes, squares=False).class_means().float()
-
-
-def feature_statistics(sums: ClassFeatureSums) -> FeatureStatistics:
-    """h_i and V_i from the per-class sums.
-
-    h_i = [p_ik mu_ik]_k and
-    V_i = sum_k p_ik E[||z||^2 | y=k] - sum_k p_ik^2 ||mu_ik||^2 (eq. 44, Lambda = I).
-    """
-    n = sums.counts.sum()
-    p = sums.counts / n
-    mu = sums.class_means()
-    h = p.unsqueeze(1) * mu
-    # sum_k p_k E[||z||^2 | k] is simply the mean of ||z||^2 over all samples.
-    v = sums.sq_norm_sums.sum() / n - (p.square() * mu.square().sum(dim=1)).sum()
-    if privacy.active() is not None:  # noisy sums may give a V below 0, which no distribution has
-        v = v.clamp(min=0.0)
-    return FeatureStatistics(num_samples=int(n.item()), h=h, v=float(v.item()))

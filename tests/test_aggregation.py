@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from common import protocol as p
-from common.aggregation import Clustering, _head_keys, aggregate_centroids, clustered_heads
+from common.methods.fedccfa.clustering import Clustering, _head_keys, clustered_heads
+from common.methods.fedpac.centroids import aggregate_centroids
 from common.averaging import weighted_average
 from common.config import FedPACConfig
 from common.methods import METHODS

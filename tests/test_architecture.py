@@ -72,3 +72,30 @@ def test_a_circle_is_found_where_there_is_one():
 def test_no_import_circle_in_the_product():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def family(module: str) -> str | None:
+    """The method package a module belongs to (``common.methods.fedpac.server`` -> ``fedpac``)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["common", "methods"] else None
+
+
+def test_common_holds_only_what_several_methods_or_the_harness_share():
+    """A module of ``common/`` that only one method imports is that method's math: it belongs in
+    the method's package, where a reader finds the method whole."""
+    graph = import_graph()
+    single: dict[str, str] = {}
+    for module in graph:
+        if not module.startswith("common.") or module.startswith("common.methods"):
+            continue
+        importers = {importer for importer, imported in graph.items() if module in imported}
+        families = {family(importer) for importer in importers}
+        if len(families) == 1 and None not in families:
+            single[module] = families.pop() or ""
+    assert not single, f"modules of common/ only one method uses: {single}"
+
+
+def test_a_module_only_one_method_imports_is_found():
+    assert family("common.methods.fedpac.server") == "fedpac"
+    assert family("common.methods.base") is None
+    assert family("common.statistics") is None

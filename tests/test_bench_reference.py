@@ -6,7 +6,7 @@ import numpy as np
 from benches import load_bench
 
 from common import protocol
-from common.collaboration import collaboration_matrix_direct, qp_objective
+from common.methods.fedpac.collaboration import collaboration_matrix_direct, qp_objective
 from common.methods.fedpac.server import CENTROIDS
 from common.methods.server import EXTRACTOR, HEAD
 

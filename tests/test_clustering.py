@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from common.clustering import (
+from common.methods.fedccfa.clustering import (
     cluster_and_merge,
     connected_components,
     entropy_weight,

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from common.collaboration import (
+from common.methods.fedpac.collaboration import (
     collaboration_matrix,
     collaboration_matrix_direct,
     collaboration_weights,
@@ -170,8 +170,8 @@ def test_vectorized_solver_matches_cvxpy(kind, m):
 
 
 def test_vectorized_rows_it_cannot_certify_go_to_cvxpy(monkeypatch):
-    import common.collaboration as collaboration
-    from common.simplex_qp import BatchSolution
+    import common.methods.fedpac.collaboration as collaboration
+    from common.methods.fedpac.simplex_qp import BatchSolution
 
     h, v, n = _stats(4, seed=9)
     monkeypatch.setattr(
@@ -195,7 +195,7 @@ def test_numerics_use_one_thread_while_another_process_runs_and_all_cores_alone(
     import io
     import os
 
-    import common.collaboration as collaboration
+    import common.methods.fedpac.collaboration as collaboration
     import common.cpu as cpu
 
     own = str(os.getpid())
@@ -209,7 +209,7 @@ def test_numerics_use_one_thread_while_another_process_runs_and_all_cores_alone(
 
 
 def test_a_vectorized_solver_that_raises_falls_back_to_cvxpy_for_every_row(monkeypatch):
-    import common.collaboration as collaboration
+    import common.methods.fedpac.collaboration as collaboration
 
     def broken(q, b):
         raise RuntimeError("anything at all")
@@ -276,7 +276,7 @@ def test_sparsify_keeps_the_largest_weight_when_all_fall_under_the_threshold():
 def test_a_failing_vectorized_solver_is_logged_with_its_exception_type(monkeypatch, caplog):
     """The operator reads which error it was: the message alone ("singular matrix", "") often
     does not say."""
-    import common.collaboration as collaboration
+    import common.methods.fedpac.collaboration as collaboration
 
     def broken(q, b):
         raise FloatingPointError("")
@@ -290,7 +290,7 @@ def test_a_failing_vectorized_solver_is_logged_with_its_exception_type(monkeypat
 def test_an_overflowed_diagonal_entry_counts_as_far_off():
     """A client whose ||h||^2 + V/n overflowed to inf is named among the far-off ones (logged by
     the strategy), whatever the finite entries say."""
-    from common.collaboration import _far_off_rows  # pylint: disable=import-outside-toplevel
+    from common.methods.fedpac.collaboration import _far_off_rows  # pylint: disable=import-outside-toplevel
 
     assert _far_off_rows(np.array([1.0, np.inf, 1.2, 0.9])) == [1]
     assert _far_off_rows(np.array([np.inf, np.inf])) == [0, 1]

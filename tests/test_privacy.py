@@ -565,7 +565,7 @@ def test_a_run_with_a_target_epsilon_ends_within_1_percent_below_it(tmp_path, ca
 def test_pfedvem_s_per_sample_e_step_gradients_are_each_record_s_own():
     """pFedVEM's E-step trains a Bayesian head on raw tensors: its per-sample gradients come in
     closed form. Each equals autograd's gradient of that record's NLL under the same head draws."""
-    from common.variational import GaussianHead, per_sample_nll_gradients  # pylint: disable=import-outside-toplevel
+    from common.methods.pfedvem.variational import GaussianHead, per_sample_nll_gradients  # pylint: disable=import-outside-toplevel
 
     g = torch.Generator().manual_seed(0)
     d, k, n, n_mc = 6, 4, 5, 3
@@ -585,7 +585,7 @@ def test_pfedvem_s_per_sample_e_step_gradients_are_each_record_s_own():
 
 
 def test_pfedvem_s_e_step_clips_every_record_and_counts_full_batch_steps(monkeypatch):
-    from common.variational import GaussianHead, e_step  # pylint: disable=import-outside-toplevel
+    from common.methods.pfedvem.variational import GaussianHead, e_step  # pylint: disable=import-outside-toplevel
 
     clipped_norms: list[torch.Tensor] = []
     original = privacy.private_gradient

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from common.simplex_qp import (
+from common.methods.fedpac.simplex_qp import (
     KKT_TOLERANCE,
     MAX_ITERATIONS,
     MAX_SCALED_DIAGONAL,
@@ -141,7 +141,7 @@ def test_rows_the_polish_cannot_certify_after_leaving_out_a_far_client_are_solve
         monkeypatch):
     """The polish on the whole problem is the only certificate of the rows solved without the far
     client; rows it fails go to the gradient steps on the whole problem, and come back certified."""
-    import common.simplex_qp as simplex_qp
+    import common.methods.fedpac.simplex_qp as simplex_qp
 
     rng = np.random.default_rng(4)
     m = 12

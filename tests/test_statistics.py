@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.statistics import class_feature_sums, feature_statistics
+from common.methods.fedpac.statistics import feature_statistics
+from common.statistics import class_feature_sums
 
 K, D = 4, 6
 

@@ -10,7 +10,7 @@ from flwr.app import ConfigRecord
 
 from common import protocol as p
 from common.averaging import weighted_average
-from common.collaboration import collaboration_weights, mix_heads
+from common.methods.fedpac.collaboration import collaboration_weights, mix_heads
 from common.config import parse_run_config
 from common.methods import METHODS
 from common.methods.fedpac.server import CENTROIDS

@@ -15,7 +15,8 @@ from common.methods import METHODS
 from common.methods.client import ClientResult, LocalData, Received, client_routine
 from common.methods.fedpac.client import alignment_loss
 from common.model import FedPACNet
-from common.statistics import class_feature_sums, feature_statistics
+from common.methods.fedpac.statistics import feature_statistics
+from common.statistics import class_feature_sums
 from common.training import train_extractor, train_head
 
 CFG = FedPACConfig(local_epochs=1, batch_size=8)

@@ -1,4 +1,4 @@
-"""pFedVEM's math (common/variational.py) against hand computations and Monte Carlo."""
+"""pFedVEM's math (common/methods/pfedvem/variational.py) against hand computations and Monte Carlo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributions as D
 import torch.nn.functional as F
 
-from common.variational import (
+from common.methods.pfedvem.variational import (
     GaussianHead,
     aggregate_bases,
     aggregate_heads,

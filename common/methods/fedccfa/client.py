@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from common import privacy
 from common import protocol as p
-from common.clustering import entropy_weight
+from common.methods.fedccfa.clustering import entropy_weight
 from common.config import FedPACConfig
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedccfa import FedCCFA

@@ -12,7 +12,7 @@ import numpy as np
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import Clustering, clustered_heads
+from common.methods.fedccfa.clustering import Clustering, clustered_heads
 from common.config import FedPACConfig
 from common.methods.fedccfa import FedCCFA
 from common.methods.fedccfa.charts import clusters_chart, clusters_per_class, has_clusters

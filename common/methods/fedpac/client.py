@@ -17,8 +17,9 @@ from common import protocol as p
 from common.config import FedPACConfig
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedpac import FedPAC
+from common.methods.fedpac.statistics import feature_statistics
 from common.model import FedPACNet
-from common.statistics import class_feature_sums, class_means, feature_statistics
+from common.statistics import class_feature_sums, class_means
 from common.training import (AlignmentTerm, alignment_targets, class_counts, to_numpy, train_extractor,
                              train_head)
 

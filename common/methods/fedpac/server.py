@@ -12,15 +12,15 @@ import numpy as np
 from flwr.supercore import log
 
 from common import protocol as p
-from common.aggregation import aggregate_centroids
-from common.collaboration import collaboration_weights, mix_heads
+from common.methods.fedpac.centroids import aggregate_centroids
+from common.methods.fedpac.collaboration import collaboration_weights, mix_heads
 from common.config import FedPACConfig
 from common.methods.fedpac import FedPAC
 from common.methods.fedpac.charts import alpha_chart, has_alpha
 from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.robust import agreeing_mix, stacked_updates
-from common.simplex_qp import FAR_DIAGONAL
+from common.methods.fedpac.simplex_qp import FAR_DIAGONAL
 from common.validation import class_counts, finite_as, metric, variance_metric
 
 CENTROIDS = "centroids"  # the state's section: the global class centroids and their mask

@@ -11,7 +11,7 @@ from common.methods.client import ClientResult, ClientRoutine, LocalData, Receiv
 from common.methods.pfedvem import PFedVEM
 from common.model import FedPACNet
 from common.training import autocast, evaluate, extract_features, sgd_epochs, to_numpy
-from common.variational import GaussianHead, confidence_rho, e_step, sampled_mean_nll, softplus_inverse
+from common.methods.pfedvem.variational import GaussianHead, confidence_rho, e_step, sampled_mean_nll, softplus_inverse
 
 # What the site keeps: its posterior's scales s_j, under the head's keys, in nn.Linear's layout.
 POSTERIOR_SCALES = "pfedvem-posterior-scales"

@@ -1,7 +1,7 @@
 """pFedVEM's server step: every replying client's posterior mean kept (as the client's head; its
 scales stay at the site, since no server step uses them), and over the round's sample S_t the
 prior mean w averaged by confidence tau_j = 1 / rho_j^2 (eq. 7) and the base by sample count
-(``common.variational.aggregate_sample``)."""
+(``common.methods.pfedvem.variational.aggregate_sample``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from common.methods.pfedvem.charts import confidence_chart, has_confidences
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
 from common.model import EMBEDDING_DIM
 from common.validation import InvalidReply, metric
-from common.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head
+from common.methods.pfedvem.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head
 
 # The section where checkpoints written before the sites kept their posterior scales held them.
 SCALE = "scale"

@@ -211,3 +211,45 @@ def entropy_weight(class_counts: np.ndarray, gamma: float, fixed: float) -> floa
         return 0.0
     p = counts[counts > 0] / total
     return float(-(p * np.log(p)).sum() / gamma)
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """FedCCFA's server-side settings (run config ``cluster-*``, ``clustered-anchors``)."""
+
+    eps: float = 0.1
+    weights: str = "uniform"
+    clustered_anchors: bool = True
+
+
+def clustered_heads(
+    heads: list[dict[str, np.ndarray]],
+    balanced_heads: list[dict[str, np.ndarray]],
+    local_anchors: np.ndarray,
+    class_counts: np.ndarray,
+    settings: Clustering,
+) -> tuple[list[dict[str, np.ndarray]], ClassClusters]:
+    """FedCCFA's head step: cluster every class's balanced rows, merge the trained rows and the
+    anchors within each cluster; returns each client's merged head and the clusters."""
+    weight_key, bias_key = _head_keys(heads[0])
+
+    def rows(parts: list[dict[str, np.ndarray]]) -> np.ndarray:
+        return np.stack([head_rows(part[weight_key], part[bias_key]) for part in parts])
+
+    clusters = cluster_and_merge(
+        rows(balanced_heads), rows(heads), local_anchors, class_counts, settings.eps,
+        weights=settings.weights, clustered_anchors=settings.clustered_anchors,
+    )
+    merged = []
+    for row in clusters.heads:
+        weight, bias = rows_to_head(row)
+        merged.append({weight_key: weight, bias_key: bias})
+    return merged, clusters
+
+
+def _head_keys(head: dict[str, np.ndarray]) -> tuple[str, str]:
+    """(weight key, bias key) of a linear head: its (K, d) and its (K,) array."""
+    by_rank = {array.ndim: key for key, array in head.items()}
+    if len(head) != 2 or set(by_rank) != {1, 2}:
+        raise ValueError(f"a linear head has one (K, d) weight and one (K,) bias, got {sorted(head)}")
+    return by_rank[2], by_rank[1]

@@ -7,7 +7,7 @@ probability simplex minimizing alpha^T P_i alpha, where
 
 and mixes the heads: phi^_i = sum_j alpha_ij phi_j. All inner products come from one Gram
 matrix G = H H^T of the flattened h's: < h_i - h_j , h_i - h_l > = G_ii - G_ij - G_il + G_jl.
-The default solver handles all clients at once (``common.simplex_qp``); cvxpy is the reference
+The default solver handles all clients at once (``common.methods.fedpac.simplex_qp``); cvxpy is the reference
 and the fallback. Pure numpy + cvxpy; nothing here knows about Flower.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from common.cpu import others_running
-from common.simplex_qp import far_off_scale, problem_scale, solve_simplex_qps
+from common.methods.fedpac.simplex_qp import far_off_scale, problem_scale, solve_simplex_qps
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def solver_blas_threads(num_clients: int) -> int | None:
 @dataclass(frozen=True)
 class CollaborationResult:
     """Combination weights (row i = alpha_i over the clients), each row's solver status, and the
-    rows whose statistics are far off the others' scale (:func:`common.simplex_qp.far_off_scale`:
+    rows whose statistics are far off the others' scale (:func:`common.methods.fedpac.simplex_qp.far_off_scale`:
     nobody else mixes their heads, which an operator wants to hear of)."""
 
     alpha: np.ndarray  # (m, m), rows on the simplex
@@ -87,7 +87,7 @@ def collaboration_matrix_direct(h: np.ndarray, v: np.ndarray, n: np.ndarray, i: 
 
 
 def _stabilize(p: np.ndarray) -> np.ndarray:
-    """Symmetrize, scale (:func:`common.simplex_qp.problem_scale`) and add a ridge."""
+    """Symmetrize, scale (:func:`common.methods.fedpac.simplex_qp.problem_scale`) and add a ridge."""
     # halves first: p + p.T overflows for entries past half the float64 range (a V_j / n_j of
     # 1e308 is a valid reply)
     p = 0.5 * p + 0.5 * p.T
@@ -137,7 +137,7 @@ def collaboration_weights(
 ) -> CollaborationResult:
     """Solve every client's QP; row i of the result is alpha_i.
 
-    ``solver="vectorized"`` solves all rows together (``common.simplex_qp``) and hands any row
+    ``solver="vectorized"`` solves all rows together (``common.methods.fedpac.simplex_qp``) and hands any row
     it cannot certify to cvxpy; ``solver="cvxpy"`` solves row by row with cvxpy (the reference).
     A row no solver can do falls back to alpha_i = e_i (the client keeps its own head).
     """
