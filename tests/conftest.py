@@ -17,10 +17,32 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.
 # session's own Flower home, not the user's; a test that starts Flower's processes gives them one.
 # Every pytest process has its own (with pytest-xdist: the controller and each worker) and removes
 # it when it ends (pytest_unconfigure; atexit should a process end without it): a test run leaves
-# nothing in the temp folder (tests/test_test_hygiene.py).
-FLWR_HOME = tempfile.mkdtemp(prefix="fedpac-tests-flwr-home-")
-os.environ["FLWR_HOME"] = FLWR_HOME
+# nothing in the temp folder (tests/test_test_hygiene.py). A process that is killed runs neither,
+# so its folder names it, and the next pytest process removes the folders of processes gone.
+FLWR_HOME_PREFIX = "fedpac-tests-flwr-home-"
 _OWNER = os.getpid()
+
+
+def remove_homes_of_ended_processes(temp: Path) -> list[Path]:
+    """Remove the Flower homes in ``temp`` whose pytest process no longer runs; returns them."""
+    removed = []
+    for home in temp.glob(FLWR_HOME_PREFIX + "*-*"):
+        pid = home.name.removeprefix(FLWR_HOME_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == _OWNER:
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(home)
+        except PermissionError:  # another user's process, alive
+            pass
+    return removed
+
+
+remove_homes_of_ended_processes(Path(tempfile.gettempdir()))
+FLWR_HOME = tempfile.mkdtemp(prefix=f"{FLWR_HOME_PREFIX}{_OWNER}-")
+os.environ["FLWR_HOME"] = FLWR_HOME
 
 
 def _remove_flwr_home() -> None:

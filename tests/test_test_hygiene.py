@@ -50,6 +50,29 @@ def test_a_pytest_run_with_an_xdist_worker_leaves_nothing_in_the_temp_folder(tmp
     assert [f for f in temp.rglob("*") if not f.is_dir() and not f.is_symlink()] == []
 
 
+def test_the_flower_home_of_a_killed_pytest_process_goes_with_the_next_one(tmp_path):
+    """A pytest process that is killed (CI's timeout, a closed terminal) removes nothing; the next
+    one removes the homes of the processes that are gone, and none of a process still running."""
+    from conftest import FLWR_HOME_PREFIX, remove_homes_of_ended_processes  # pylint: disable=import-outside-toplevel
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])  # pylint: disable=consider-using-with
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # pylint: disable=consider-using-with
+    try:
+        gone = tmp_path / f"{FLWR_HOME_PREFIX}{ended.pid}-abc"
+        alive = tmp_path / f"{FLWR_HOME_PREFIX}{running.pid}-def"
+        mine = tmp_path / f"{FLWR_HOME_PREFIX}{os.getpid()}-ghi"
+        unrelated = tmp_path / f"{FLWR_HOME_PREFIX}notapid-jkl"
+        for home in (gone, alive, mine, unrelated):
+            (home / "fedpac-site-state").mkdir(parents=True)
+        assert remove_homes_of_ended_processes(tmp_path) == [gone]
+        assert not gone.exists() and alive.is_dir() and mine.is_dir() and unrelated.is_dir()
+    finally:
+        running.kill()
+        running.wait()
+    assert remove_homes_of_ended_processes(tmp_path) == [alive]
+
+
 @pytest.mark.xdist_group("hygiene-check")
 @pytest.mark.parametrize("index", range(4))
 def test_one_of_a_group_of_four_says_where_it_ran(index):
