@@ -84,7 +84,8 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                              for package in ("apfl", "fedrod", "knnper", "pfedme", "fedfomo", "pfedhn")
                              for part in ("client", "server")) + ("common/methods/pfedhn/hypernetwork.py",),
                        ("test_lg_fedavg_apfl.py", "test_fedrod.py", "test_knnper.py", "test_pfedme.py",
-                        "test_fedfomo.py", "test_pfedhn.py", "test_fedprox_ditto.py", "test_baselines.py")),
+                        "test_fedfomo.py", "test_pfedhn.py", "test_fedprox_ditto.py", "test_baselines.py",
+                        "test_learning.py", "test_reply_table.py", "test_site_state.py")),
     "client": (("common/training.py", "common/methods/fedpac/client.py", "common/methods/baselines/client.py",
                 "common/methods/fedccfa/client.py", "common/methods/pfedvem/client.py",
                 "common/methods/base.py", "common/methods/client.py",
