@@ -197,6 +197,11 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # How each site composes its releases into epsilon: "rdp" (Rényi DP) or "prv" (the privacy
     # random variable accountant: tighter, so dp-target-epsilon calibrates less noise; slower).
     dp_accountant: str = "rdp"
+    # DP-SGD's recipe at every site, for every private step of every method: the expected Poisson
+    # batch, and the step size (taken without momentum or weight decay); 0 keeps each training
+    # routine's own batch size, step sizes, momentum and weight decay.
+    dp_batch_size: int = 0
+    dp_step_size: float = 0.0
     # Run
     seed: int = 0
     device: str = "auto"
@@ -310,6 +315,8 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(not cfg.dp_epsilon_budget or cfg.dp_epsilon_budget >= cfg.dp_target_epsilon, k("dp_epsilon_budget"),
            cfg.dp_epsilon_budget, f"0 or >= dp-target-epsilon = {cfg.dp_target_epsilon:g}: a smaller budget stops "
            "every site before the last round")
+    _check(cfg.dp_batch_size >= 0, k("dp_batch_size"), cfg.dp_batch_size, ">= 0 (0: each routine's batch size)")
+    _check(cfg.dp_step_size >= 0, k("dp_step_size"), cfg.dp_step_size, ">= 0 (0: each routine's step sizes)")
     _check(cfg.dp_accountant in ACCOUNTANTS, k("dp_accountant"), cfg.dp_accountant, f"one of {', '.join(ACCOUNTANTS)}")
     _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
            "false with dp = true (per-sample gradients are taken in float32)")
@@ -473,7 +480,8 @@ def privacy_settings(cfg: FedPACConfig) -> PrivacySettings | None:
                            statistics_noise_multiplier=cfg.dp_statistics_noise_multiplier,
                            feature_clip=cfg.dp_feature_clip, delta=cfg.dp_delta, epsilon_budget=cfg.dp_epsilon_budget,
                            target_epsilon=cfg.dp_target_epsilon, rounds=cfg.num_server_rounds,
-                           accountant=cfg.dp_accountant)
+                           accountant=cfg.dp_accountant, batch_size=cfg.dp_batch_size,
+                           step_size=cfg.dp_step_size)
 
 
 def sites_keep_state(cfg: FedPACConfig) -> bool:

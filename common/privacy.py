@@ -73,6 +73,11 @@ class PrivacySettings:
     target_epsilon: float = 0.0
     rounds: int = 1
     accountant: str = "rdp"
+    # DP-SGD's own recipe, in place of each training routine's (0: the routine's): the expected
+    # Poisson batch of every private step, and its step size, taken without momentum or weight
+    # decay. Large batches buy the same privacy for less noise per step.
+    batch_size: int = 0
+    step_size: float = 0.0
 
     def epsilon(self, ledger: Ledger) -> float:
         """Epsilon at this delta of everything ``ledger`` holds, by this accountant."""

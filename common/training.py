@@ -63,6 +63,9 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     random subset of the site's records whose size is not public (FedCCFA's balanced sample):
     its expected size, computed from what the site released.
 
+    A private site's recipe (``dp-batch-size``, ``dp-step-size``) replaces the routine's batch
+    size and its optimizer's step size, momentum and weight decay for these steps.
+
     Returns the mean loss over every sample seen (0 when no epoch ran). The running sum stays on
     the device: reading a loss back every step would wait for the GPU each time.
     """
@@ -70,6 +73,9 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     if site is None:
         batches = (idx for _ in range(epochs) for idx in shuffled_batches(num_samples, batch_size, generator, device))
     else:
+        batch_size = site.settings.batch_size or batch_size
+        if site.settings.step_size:
+            _take_step_size(optimizer, site.settings.step_size)
         size = num_samples if public_size is None else public_size
         rate = privacy.sample_rate(size, batch_size)
         steps = epochs * privacy.steps_per_epoch(size, batch_size)
@@ -91,6 +97,16 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     if site is not None:
         site.ledger.record(site.settings.noise_multiplier, rate, steps)
     return float(total / seen) if seen else 0.0
+
+
+def _take_step_size(optimizer: torch.optim.Optimizer, step_size: float) -> None:
+    """Plain steps of ``step_size``: DP-SGD's recipe takes them without momentum or weight decay
+    (a decay would pull every weight by an amount no record's clipping bounds)."""
+    for group in optimizer.param_groups:
+        group["lr"] = step_size
+        for key in ("momentum", "weight_decay"):
+            if key in group:
+                group[key] = 0.0
 
 
 def _privatize(per_sample: privacy.PerSampleGradients, site: privacy.PrivateSite, expected_batch: float,

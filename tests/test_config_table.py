@@ -175,6 +175,8 @@ BAD_VALUES: dict[str, list[Bad]] = {
     ],
     "dp-target-epsilon": [Bad(-0.5, ">= 0 (0: the noise as given)")],
     "dp-accountant": [Bad("pld", "one of rdp, prv")],
+    "dp-batch-size": [Bad(-1, ">= 0")],
+    "dp-step-size": [Bad(-0.5, ">= 0")],
     # per-sample gradients are taken in float32
     "mixed-precision": [Bad(True, "false with dp = true", {"dp": True})],
     # the methods' own settings (common.methods.base.setting)

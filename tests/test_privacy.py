@@ -164,6 +164,56 @@ def test_dp_sgd_s_steps_are_a_from_scratch_mechanism_normalized_by_the_expected_
     assert site.ledger.history == [(sigma, q, len(sizes))]
 
 
+def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_only():
+    """``dp-batch-size`` and ``dp-step-size``: a private site's steps sample at the recipe's rate
+    (q = 8/40, not the routine's 20/40) and move the weights by exactly the step size times the
+    from-scratch DP-SGD gradient, without the optimizer's momentum or weight decay; the ledger
+    records the recipe's rate and number of steps. Without DP the routine's own SGD runs."""
+    n, routine_batch, recipe_batch, d, k = 40, 20, 8, 5, 3
+    sigma, clip, step = 0.7, 1.0, 0.4
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, d, generator=g) * 2.0, torch.randint(0, k, (n,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(d, k)
+    start = [param.detach().clone() for param in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.1)
+    settings = PrivacySettings(noise_multiplier=sigma, max_grad_norm=clip, batch_size=recipe_batch, step_size=step)
+    with private_site(settings, 3) as site:
+        sgd_epochs(optimizer, lambda idx: F.cross_entropy(model(x[idx]), y[idx]), 1, n, routine_batch,
+                   torch.Generator().manual_seed(4), torch.device("cpu"), model)
+
+    q = recipe_batch / n
+    expected = nn.Linear(d, k)
+    with torch.no_grad():
+        for param, value in zip(expected.parameters(), start):
+            param.copy_(value)
+    params = list(expected.parameters())
+    sampling, noise = torch.Generator().manual_seed(4), torch.Generator().manual_seed(3)
+    for _ in range(math.ceil(n / recipe_batch)):
+        chosen = torch.nonzero(torch.rand(n, generator=sampling) < q).flatten().tolist()
+        summed = [torch.zeros_like(param) for param in params]
+        for i in chosen:
+            grads = torch.autograd.grad(F.cross_entropy(expected(x[i:i + 1]), y[i:i + 1]), params)
+            factor = min(1.0, clip / math.sqrt(sum(float(g_i.square().sum()) for g_i in grads)))
+            summed = [total + g_i * factor for total, g_i in zip(summed, grads)]
+        with torch.no_grad():
+            for param, total in zip(params, summed):
+                param -= step * (total + sigma * clip * torch.randn(param.shape, generator=noise)) / (q * n)
+    for got, want in zip(model.parameters(), params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert site.ledger.history == [(sigma, q, math.ceil(n / recipe_batch))]
+
+    # without DP the recipe is not read: the routine's batches and its optimizer as configured
+    assert privacy_settings(parse_run_config({"dp": False, "dp-batch-size": 8, "dp-step-size": 0.4})) is None
+    recipe = privacy_settings(parse_run_config({"dp": True, "dp-batch-size": 8, "dp-step-size": 0.4}))
+    assert recipe is not None and (recipe.batch_size, recipe.step_size) == (8, 0.4)
+    plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.1)
+    sgd_epochs(plain, lambda idx: F.cross_entropy(model(x[idx]), y[idx]), 1, n, routine_batch,
+               torch.Generator().manual_seed(4), torch.device("cpu"), model)
+    configured = [(group["lr"], group["momentum"], group["weight_decay"]) for group in plain.param_groups]
+    assert configured == [(0.01, 0.9, 0.1)]
+
+
 def test_a_penalty_term_joins_after_the_noise_unclipped(monkeypatch):
     """FedProx's proximal term reads no record: its gradient is added to the noisy one as it
     is. With no noise and a clipping norm no gradient reaches, DP-SGD's step is the plain
