@@ -230,6 +230,8 @@ def run_fedpac(grid: Grid, cfg: FedPACConfig, run_id: int) -> tuple[Personalized
         raise
     report.close()  # the charts show the last round before the run says it finished
     write_status("finished", cfg.num_server_rounds, delivery=delivery)
+    if spent := report.privacy_line():
+        log(INFO, "%s", spent)
     return strategy, report
 
 

@@ -305,6 +305,29 @@ class RunReport:  # pylint: disable=too-many-instance-attributes
             f"{self.outputs.log(record)}{privacy} | {record.seconds:.1f}s"
         )
 
+    def privacy_spent(self) -> dict[int, float]:
+        """Each site's epsilon as it last reported it: its own ledger's, after the last round it
+        trained in (differential privacy on; empty otherwise)."""
+        spent: dict[int, float] = {}
+        for record in self.rounds:
+            for pid, train in record.train.items():
+                if DP_EPSILON in train:
+                    spent[pid] = float(train[DP_EPSILON])
+        return dict(sorted(spent.items()))
+
+    def privacy_line(self, listed: int = 20) -> str:
+        """What each site spent, for the run's log ("" without DP): every site's epsilon up to
+        ``listed`` sites, the range beyond."""
+        spent = self.privacy_spent()
+        if not spent:
+            return ""
+        values = list(spent.values())
+        head = (f"Privacy spent by the sites (epsilon at delta = {self.config.get('dp_delta', '?')}, each from its "
+                f"own ledger): min {min(values):.3g}, max {max(values):.3g}")
+        if len(spent) > listed:
+            return f"{head} over {len(spent)} sites (clients.csv: dp_epsilon)"
+        return f"{head}; " + ", ".join(f"partition {pid} {epsilon:.3g}" for pid, epsilon in spent.items())
+
     # ------------------------------------------------------------------ tables
 
     def metrics_entry(self, r: RoundRecord) -> dict:

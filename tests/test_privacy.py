@@ -547,18 +547,26 @@ def test_a_site_over_its_budget_stops_and_the_run_goes_on_without_it(tmp_path, c
     assert all(float(r["max_dp_epsilon"]) <= budget for r in rounds if r["max_dp_epsilon"])
 
 
-def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path):
+def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path, caplog):
     """With dp on, each trained site's reply carries its epsilon, which is its ledger's (kept at
-    the site) and grows from round to round; the round line's maximum is the largest of them."""
+    the site) and grows from round to round; the round line's maximum is the largest of them, and
+    the run's log ends with what each site spent."""
     config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1,
               "batch-size": 20, "num-server-rounds": 2, "dp": True, "output-dir": str(tmp_path / "out")}
-    run_fedpac(cast(Grid, InProcessGrid(config, 3, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        _, report = run_fedpac(cast(Grid, InProcessGrid(config, 3, node_config=_own_sites(tmp_path))),
+                               parse_run_config(config), 1)
     clients = _rows(tmp_path / "out", "clients.csv")
     by_round = {t: [float(r["dp_epsilon"]) for r in clients if r["round"] == str(t)] for t in (1, 2)}
     assert len(by_round[1]) == len(by_round[2]) == 3
     assert min(by_round[2]) > max(by_round[1]) > 0
     rounds = _rows(tmp_path / "out", "rounds.csv")
     assert [float(r["max_dp_epsilon"]) for r in rounds] == [max(by_round[1]), max(by_round[2])]
+    last = {int(r["partition_id"]): float(r["dp_epsilon"]) for r in clients if r["round"] == "2"}
+    assert report.privacy_spent() == last
+    (spent,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Privacy spent")]
+    assert "delta = 1e-05" in spent
+    assert spent.endswith(", ".join(f"partition {pid} {epsilon:.3g}" for pid, epsilon in sorted(last.items())))
     # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD, the statistics
     # before training (counts, sums, squares) and the centroids after it (sums: the counts are
     # the round's, and the squares, which only V needs, are not released)
