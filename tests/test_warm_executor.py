@@ -286,6 +286,21 @@ def test_a_run_s_worker_that_died_is_replaced_for_the_run_s_next_task(executors,
     assert executor.standby is None  # the run did not end: no standby is due
 
 
+def warmed_up(executor: warm_executor.WarmExecutor, runtime: FakeRuntime, run_id: int) -> int:
+    """The pid of the run's worker after a first task of the run: a worker in its loop, which
+    takes the next task the moment it is handed over. A deadline counts from the hand-over, so
+    a hung task handed to a worker still starting on a loaded machine could be ended before it
+    began (seen beside a CPU-bound process: the deadline's 3 s passed while the worker imported).
+    The first task itself runs without a deadline, however long the worker takes to start."""
+    deadline, executor.deadline = executor.deadline, TaskDeadline(seconds=0)
+    try:
+        runtime.add(run_id, "fab-a")
+        run_all(executor)
+    finally:
+        executor.deadline = deadline
+    return executor.workers[RunKey(run_id, "fab-a")].process.pid
+
+
 def _hung_task_is_gone(task_log: Path, token: str) -> tuple[int, int]:
     """(worker pid, its child's pid) of the hanging task ``token``, after checking that both are
     gone; a child left over is killed, so that a failing test leaves nothing behind."""
@@ -306,12 +321,14 @@ def test_a_task_past_its_run_s_round_timeout_is_ended_with_what_it_started_answe
     executors, task_log, answered
 ):
     executor, runtime = executors(idle_timeout=0)  # the default deadline: each run's round-timeout
+    warm = warmed_up(executor, runtime, 5)
     hung = runtime.add(5, "fab-a", kind="hang@3")  # its run config: round-timeout = 3 s
     after = runtime.add(5, "fab-a")
     started = time.monotonic()
     assert executor.step()
     assert time.monotonic() - started < HANG_SECONDS / 2  # not held up by the hanging task
     worker, _ = _hung_task_is_gone(task_log, hung)
+    assert worker == warm
     assert RunKey(5, "fab-a") not in executor.workers
 
     # answered in the worker's place, as flwr-clientapp answers a ClientApp that raised
@@ -341,6 +358,7 @@ def test_a_task_past_its_run_s_round_timeout_is_ended_with_what_it_started_answe
 def test_the_site_s_deadline_and_the_default_one_end_a_hung_task_too(executors, task_log, answered, kind,
                                                                       deadline, source):
     executor, runtime = executors(idle_timeout=0, deadline=deadline)
+    warmed_up(executor, runtime, 9)
     hung = runtime.add(9, "fab-a", kind=kind)
     started = time.monotonic()
     assert executor.step()
