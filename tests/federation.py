@@ -15,9 +15,13 @@ from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
 from flwr.supercore.task_identity import TaskIdentity
 
 import numpy as np
+import torch
 
 from client_app.app import app as client_app
 from common import protocol as p
+from common.config import FedPACConfig
+from common.methods.server import EXTRACTOR, HEAD, ServerState
+from common.model import FedPACNet
 
 SERVER_NODE_ID = 1
 
@@ -144,3 +148,12 @@ def nan(a: np.ndarray) -> np.ndarray:
     """``a`` with its first element NaN."""
     a.flat[0] = np.nan
     return a
+
+
+def shared_model(state: ServerState, cfg: FedPACConfig) -> FedPACNet:
+    """The server's shared extractor and head as one model: the global model of a method that
+    averages both (FedAvg's, Fed-RoD's generic one, kNN-Per's, FedBABU's)."""
+    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
+    model.load_state_dict({key: torch.from_numpy(np.array(value))
+                           for key, value in {**state.shared[EXTRACTOR], **state.shared[HEAD]}.items()})
+    return model

@@ -24,7 +24,7 @@ from common.methods.fedbabu.client import finetune
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, Update, server_part
 from common.model import FedPACNet, split_state
 from common.training import evaluate, train_extractor
-from federation import InProcessGrid
+from federation import InProcessGrid, shared_model
 from server_app.app import initial_model, run_fedpac
 
 CFG = FedPACConfig(strategy="fedbabu", local_epochs=2, batch_size=8, extractor_lr=0.05)
@@ -191,9 +191,7 @@ def test_a_short_federation_learns_with_the_initial_head_and_fine_tuning_persona
 
     last = report.rounds[-1].accuracy
     assert sorted(last) == [0, 1, 2]
-    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in {**state.shared[EXTRACTOR],
-                                                                         **state.shared[HEAD]}.items()})
+    model = shared_model(state, cfg)
     routine = client_routine(configured_method(cfg))
     untuned = {}
     for pid in range(3):

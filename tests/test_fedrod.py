@@ -24,10 +24,10 @@ from common.methods.base import settings_of
 from common.methods.client import LocalData, Received, client_routine
 from common.methods.fedrod import FedRoD
 from common.methods.fedrod.client import PERSONAL_HEAD, balanced_softmax_loss
-from common.methods.server import EXTRACTOR, HEAD, ServerPart, server_part
+from common.methods.server import ServerPart, server_part
 from common.model import FedPACNet
 from common.training import evaluate, extract_features
-from federation import InProcessGrid
+from federation import InProcessGrid, shared_model
 from server_app.app import run_fedpac
 
 # momentum and weight decay at the product's defaults (0.5, 5e-4): the reference applies them too
@@ -227,9 +227,7 @@ def test_a_short_federation_learns_and_personalizes(tmp_path):
     strategy, report = run_fedpac(cast(Grid, InProcessGrid(config, 3)), cfg, 1)
     last = report.rounds[-1].accuracy
     assert sorted(last) == [0, 1, 2]
-    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in {**strategy.state.shared[EXTRACTOR],
-                                                                         **strategy.state.shared[HEAD]}.items()})
+    model = shared_model(strategy.state, cfg)
     generic = {}
     for pid in range(3):
         _, _, x_test, y_test = client_tensors(cfg, pid, 3, torch.device("cpu"))

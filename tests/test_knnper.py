@@ -23,10 +23,10 @@ from common.methods import METHODS
 from common.methods.client import LocalData, Received, client_routine
 from common.methods.knnper import INTERPOLATION_GRID, KNNPer
 from common.methods.knnper.client import KNNHead, interpolate, knn_probabilities, tuned_interpolation
-from common.methods.server import EXTRACTOR, HEAD, ServerPart, server_part
+from common.methods.server import ServerPart, server_part
 from common.model import FedPACNet
 from common.training import evaluate, train_joint
-from federation import InProcessGrid
+from federation import InProcessGrid, shared_model
 from server_app.app import run_fedpac
 
 CFG = FedPACConfig(strategy="knn-per", local_epochs=2, batch_size=8, extractor_lr=0.05)
@@ -246,9 +246,7 @@ def test_a_short_federation_records_the_interpolated_accuracy_and_it_beats_the_g
     strategy, report = run_fedpac(cast(Grid, InProcessGrid(config, 3)), cfg, 1)
     last = report.rounds[-1].accuracy
     assert sorted(last) == [0, 1, 2]
-    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in {**strategy.state.shared[EXTRACTOR],
-                                                                         **strategy.state.shared[HEAD]}.items()})
+    model = shared_model(strategy.state, cfg)
     routine = client_routine(configured_method(cfg))
     alone = {}
     for pid in range(3):
