@@ -371,7 +371,8 @@ def gaussian(values: torch.Tensor, sensitivity: float, site: PrivateSite) -> tor
 
 def counts_summing_to(noisy: torch.Tensor, total: int) -> torch.Tensor:
     """Non-negative whole counts that sum to ``total``, in proportion to ``noisy`` (largest
-    remainders): post-processing of a noisy count vector and the public n."""
+    remainders, ties to the lowest class, so that the result is the same on every machine):
+    post-processing of a noisy count vector and the public n."""
     clipped = noisy.clamp(min=0).to(torch.float64)
     if total == 0:
         return torch.zeros_like(clipped)

@@ -343,6 +343,16 @@ def test_noisy_counts_become_whole_counts_that_sum_to_the_public_n():
         assert int(counts.sum()) == 123 and float(counts.min()) >= 0 and torch.equal(counts, counts.round())
 
 
+def test_tied_remainders_go_to_the_lowest_classes_whatever_their_number():
+    """The released counts are a function of the noisy ones alone, the same on every machine:
+    tied remainders go to the lowest class indices, also past the size (about 100 entries) from
+    which torch's default sort stops keeping the order of equal keys."""
+    for classes in (3, 200):
+        extra = classes // 4
+        counts = privacy.counts_summing_to(torch.ones(classes, dtype=torch.float64), classes + extra)
+        assert counts.tolist() == [2.0] * extra + [1.0] * (classes - extra)
+
+
 # ---------------------------------------------------------------------------- accountant
 
 
