@@ -74,28 +74,52 @@ def test_no_import_circle_in_the_product():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
+METHOD_PACKAGES = frozenset(path.parent.name for path in (ROOT / "common" / "methods").glob("*/__init__.py"))
+
+
 def family(module: str) -> str | None:
-    """The method package a module belongs to (``common.methods.fedpac.server`` -> ``fedpac``)."""
+    """The method package a module belongs to (``common.methods.fedpac.server`` and the package
+    ``common.methods.fedpac`` itself -> ``fedpac``); None for a shared or harness module."""
     parts = module.split(".")
-    return parts[2] if len(parts) > 3 and parts[:2] == ["common", "methods"] else None
+    return parts[2] if len(parts) >= 3 and parts[:2] == ["common", "methods"] and parts[2] in METHOD_PACKAGES else None
+
+
+def single_method_modules(graph: dict[str, set[str]]) -> dict[str, str]:
+    """The modules of ``common/`` (outside the method packages) that one method alone uses, each
+    with that method: imported only by that method's package, or by modules it alone uses."""
+    shared = [module for module in graph if module.startswith("common.") and not module.startswith("common.methods")]
+    owner: dict[str, str] = {}
+    changed = True
+    while changed:
+        changed = False
+        for module in (m for m in shared if m not in owner):
+            families = {owner.get(importer) or family(importer)
+                        for importer, imported in graph.items() if module in imported}
+            if len(families) == 1 and None not in families:
+                owner[module] = families.pop() or ""
+                changed = True
+    return owner
 
 
 def test_common_holds_only_what_several_methods_or_the_harness_share():
-    """A module of ``common/`` that only one method imports is that method's math: it belongs in
+    """A module of ``common/`` that only one method uses is that method's math: it belongs in
     the method's package, where a reader finds the method whole."""
-    graph = import_graph()
-    single: dict[str, str] = {}
-    for module in graph:
-        if not module.startswith("common.") or module.startswith("common.methods"):
-            continue
-        importers = {importer for importer, imported in graph.items() if module in imported}
-        families = {family(importer) for importer in importers}
-        if len(families) == 1 and None not in families:
-            single[module] = families.pop() or ""
+    single = single_method_modules(import_graph())
     assert not single, f"modules of common/ only one method uses: {single}"
 
 
-def test_a_module_only_one_method_imports_is_found():
-    assert family("common.methods.fedpac.server") == "fedpac"
+def test_a_module_only_one_method_uses_is_found():
+    assert family("common.methods.fedpac.server") == family("common.methods.fedpac") == "fedpac"
     assert family("common.methods.base") is None
     assert family("common.statistics") is None
+    graph = {
+        "common.methods.fedpac": {"common.qp"},  # a package's __init__ counts as the method
+        "common.qp": {"common.solver"},  # used only through a module one method alone uses
+        "common.solver": set(),
+        "common.methods.fedccfa.client": {"common.sums"},
+        "common.methods.fedpac.client": {"common.sums"},  # two methods: shared
+        "common.sums": set(),
+        "server_app.app": {"common.config"},  # the harness: shared
+        "common.config": set(),
+    }
+    assert single_method_modules(graph) == {"common.qp": "fedpac", "common.solver": "fedpac"}
