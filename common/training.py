@@ -81,7 +81,7 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
         steps = epochs * privacy.steps_per_epoch(size, batch_size)
         batches = (privacy.poisson_batch(num_samples, rate, generator, device) for _ in range(steps))
     total, seen = torch.zeros((), device=device), 0
-    with privacy.PerSampleGradients(module) if site is not None else nullcontext() as per_sample:
+    with privacy.ClippedGradients(module) if site is not None else nullcontext() as clipped:
         for idx in batches:
             optimizer.zero_grad(set_to_none=True)
             if len(idx):  # a Poisson sample may be empty: DP-SGD's step is then its noise alone
@@ -91,8 +91,8 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
                 loss.backward()
                 total += loss.detach() * len(idx)
                 seen += len(idx)
-            if site is not None and per_sample is not None:  # both, or neither
-                _privatize(per_sample, site, rate * size, len(idx), penalty)
+            if site is not None and clipped is not None:  # both, or neither
+                _privatize(clipped, site, rate * size, len(idx), penalty)
             optimizer.step()
     if site is not None:
         site.ledger.record(site.settings.noise_multiplier, rate, steps)
@@ -109,15 +109,16 @@ def _take_step_size(optimizer: torch.optim.Optimizer, step_size: float) -> None:
                 group[key] = 0.0
 
 
-def _privatize(per_sample: privacy.PerSampleGradients, site: privacy.PrivateSite, expected_batch: float,
+def _privatize(clipped: privacy.ClippedGradients, site: privacy.PrivateSite, expected_batch: float,
                batch: int, penalty: Callable[[], torch.Tensor] | None) -> None:
     """Replace the gradients of the step's backward pass by DP-SGD's (``common.privacy``), and
     add the penalty's gradient after the noise: it reads no record."""
-    noisy = privacy.private_gradient(per_sample.grads(batch), site.settings, expected_batch, site.noise)
-    per_sample.clear()
+    sums = clipped.clipped_sums(site.settings.max_grad_norm, batch)
+    clipped.clear()
+    noisy = privacy.noisy_mean(sums, site.settings, expected_batch, site.noise)
     if penalty is not None:
-        noisy = [g + d for g, d in zip(noisy, torch.autograd.grad(penalty(), per_sample.params))]
-    for param, grad in zip(per_sample.params, noisy):
+        noisy = [g + d for g, d in zip(noisy, torch.autograd.grad(penalty(), clipped.params))]
+    for param, grad in zip(clipped.params, noisy):
         param.grad = grad
 
 

@@ -52,24 +52,66 @@ CFG = parse_run_config({"batch-size": 16, "local-epochs": 1, "extractor-lr": 0.0
 # ------------------------------------------------------------------------------- DP-SGD
 
 
-def test_the_per_sample_gradients_are_each_record_s_own():
-    """Opacus's hooks on the product's model give, for each record of a batch, the gradient of
-    that record's loss alone (checked against autograd one record at a time), for the whole model
-    and for the extractor under a frozen head."""
-    x, y = _data(8)
-    for frozen_head in (False, True):
-        model = _model()
-        module = model.extractor if frozen_head else model
+def _clipped_sum_by_autograd(model: nn.Module, params: list[torch.Tensor], loss_of, n: int,
+                             max_norm: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each record's gradient by autograd, one record at a time; their norms and clipped sum."""
+    per_record = [torch.autograd.grad(loss_of(slice(i, i + 1)), params) for i in range(n)]
+    norms = torch.stack([torch.cat([g.flatten() for g in grads]).norm() for grads in per_record])
+    factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return norms, [sum(factors[i] * per_record[i][j] for i in range(n)) for j in range(len(params))]
+
+
+@pytest.mark.parametrize("case", ["whole model", "extractor under a frozen head", "head on frozen features",
+                                  "a layer called twice", "strided and dilated convolution"])
+def test_the_clipped_sum_is_each_record_s_own_gradient_clipped_and_summed(case):
+    """DP-SGD's clipped sum, read from each layer's input and output gradient (the linear layers'
+    without forming any record's gradient), equals the sum of every record's own gradient by
+    autograd, one record at a time, each scaled to the clipping norm: for the product's model
+    trained whole, its extractor under a frozen head, its head on features without gradients, a
+    layer a step calls twice and a convolution with a stride, a dilation and padding."""
+    x, y = _data(9)
+    model = _model()
+    if case == "a layer called twice":
+        layer = nn.Linear(4, 4)
+        model = nn.Sequential(layer, nn.LeakyReLU(), layer)
+        x = torch.randn(9, 4) * 3
+        module, params = model, list(model.parameters())
+        loss_of = lambda i: F.cross_entropy(model(x[i]), y[i] % 4)  # noqa: E731
+    elif case == "strided and dilated convolution":
+        model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, dilation=2, padding=(2, 1)), nn.Flatten(), nn.LazyLinear(10))
+        model(x[:1])
+        module, params = model, list(model.parameters())
+        loss_of = lambda i: F.cross_entropy(model(x[i]), y[i])  # noqa: E731
+    elif case == "head on frozen features":
+        with torch.no_grad():
+            features = model.extractor(x)
+        module, params = model.head, list(model.head.parameters())
+        loss_of = lambda i: F.cross_entropy(model.head(features[i]), y[i])  # noqa: E731
+    else:
+        frozen_head = case == "extractor under a frozen head"
         model.head.requires_grad_(not frozen_head)
-        with privacy.PerSampleGradients(module) as per_sample:
-            F.cross_entropy(model(x), y).backward()
-            grads = [g.clone() for g in per_sample.grads(len(x))]
+        module = model.extractor if frozen_head else model
         params = [q for q in module.parameters() if q.requires_grad]
-        for i in range(len(x)):
-            expected = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
-            for got, want in zip(grads, expected):
-                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6)
-        assert not any(hasattr(q, "grad_sample") and q.grad_sample is not None for q in params)  # cleaned up
+        loss_of = lambda i: F.cross_entropy(model(x[i]), y[i])  # noqa: E731
+    max_norm = 0.5
+    norms, want = _clipped_sum_by_autograd(model, params, loss_of, len(y), max_norm)
+    assert int((norms > max_norm).sum()) > len(y) // 2  # the clipping bites
+    with privacy.ClippedGradients(module) as clipped:
+        loss_of(slice(None)).backward()
+        got = clipped.clipped_sums(max_norm, len(y))
+    assert len(got) == len(params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_clipping_refuses_a_layer_it_cannot_clip_and_an_empty_step_sums_to_zero():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(ValueError, match="LayerNorm"):
+        privacy.ClippedGradients(model)
+    head = nn.Linear(4, 2)
+    with privacy.ClippedGradients(head) as clipped:  # a Poisson sample with no record: no backward pass
+        sums = clipped.clipped_sums(1.0, 0)
+    assert all(s.shape == q.shape and not s.any() for s, q in zip(sums, head.parameters()))
 
 
 @pytest.mark.parametrize("routine", ["joint", "head", "extractor with alignment"])
@@ -78,16 +120,15 @@ def test_no_record_s_gradient_passes_the_clipping_norm_before_the_noise(routine,
     it trains) to dp-max-grad-norm before the noise; the norm is small enough here that most
     records' gradients were longer."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    original = privacy.private_gradient
+    original = privacy.clip_factors
 
-    def spy(per_sample_grads, settings, expected_batch, generator):
-        if len(per_sample_grads[0]):
-            norms = torch.stack([g.flatten(1).norm(dim=1) for g in per_sample_grads]).norm(dim=0)
-            clipped = norms * privacy.clip_factors(per_sample_grads, settings.max_grad_norm)
-            seen.append((norms, clipped))
-        return original(per_sample_grads, settings, expected_batch, generator)
+    def spy(norms, max_norm):
+        factors = original(norms, max_norm)
+        if len(norms):
+            seen.append((norms, norms * factors))
+        return factors
 
-    monkeypatch.setattr(privacy, "private_gradient", spy)
+    monkeypatch.setattr(privacy, "clip_factors", spy)
     x, y = _data()
     model, g = _model(), torch.Generator().manual_seed(0)
     settings = PrivacySettings(noise_multiplier=1.0, max_grad_norm=0.05)
@@ -659,8 +700,8 @@ def test_pfedvem_s_e_step_clips_every_record_and_counts_full_batch_steps(monkeyp
     original = privacy.private_gradient
 
     def spy(per_sample_grads, settings, expected_batch, generator):
-        norms = torch.stack([g.flatten(1).norm(dim=1) for g in per_sample_grads]).norm(dim=0)
-        clipped_norms.append(norms * privacy.clip_factors(per_sample_grads, settings.max_grad_norm))
+        norms = privacy.per_sample_norms(per_sample_grads)
+        clipped_norms.append(norms * privacy.clip_factors(norms, settings.max_grad_norm))
         assert expected_batch == 1.0  # the E-step's NLL is a sum: its noisy sum is the gradient
         return original(per_sample_grads, settings, expected_batch, generator)
 
