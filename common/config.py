@@ -89,6 +89,9 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # Local update (Section 4; Appendix B.3 of the paper)
     local_epochs: int = 5
     head_epochs: int = 1
+    # the extractor's epochs train the head too (FedPAC, FedRep): under DP one private step then
+    # pays for both, and the head's own epochs (head-epochs, fedrep-head-epochs) may go
+    head_with_extractor: bool = False
     batch_size: int = 50
     head_lr: float = 0.1
     extractor_lr: float = 0.0  # 0: the dataset's step size eta (DATASET_EXTRACTOR_LR)

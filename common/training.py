@@ -170,15 +170,18 @@ def train_extractor(  # pylint: disable=too-many-arguments
     alignment: AlignmentTerm | None = None,
     weight: float = 0.0,
     epochs: int | None = None,
+    with_head: bool = False,
 ) -> tuple[float, float]:
-    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen:
-    CE + ``weight`` * ``alignment`` (FedPAC eq. 3, FedCCFA's contrastive term), or plain CE.
+    """``epochs`` (default ``local-epochs``) epochs of the extractor with the head frozen, or
+    trained in the same steps (``with_head``: ``head-with-extractor``): CE + ``weight`` *
+    ``alignment`` (FedPAC eq. 3, FedCCFA's contrastive term), or plain CE.
 
     Returns the mean total loss and the mean (unweighted) alignment term over all batches.
     """
     model.train()
-    model.head.requires_grad_(False)
-    optimizer = sgd(model.extractor.parameters(), cfg.extractor_lr, cfg)
+    model.head.requires_grad_(with_head)
+    trained: nn.Module = model if with_head else model.extractor
+    optimizer = sgd(trained.parameters(), cfg.extractor_lr, cfg)
     align_with = alignment if weight > 0 else None
     total_align = torch.zeros((), device=x.device)
 
@@ -196,8 +199,7 @@ def train_extractor(  # pylint: disable=too-many-arguments
 
     epochs = cfg.local_epochs if epochs is None else epochs
     try:
-        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device,
-                               model.extractor)
+        mean_loss = sgd_epochs(optimizer, batch_loss, epochs, len(x), cfg.batch_size, generator, x.device, trained)
     finally:
         model.head.requires_grad_(True)
     seen = epochs * len(x)  # every epoch is one pass over all samples (sgd_epochs)

@@ -1,5 +1,6 @@
 """The local update: what trains when, and where the alignment gradient goes."""
 
+import contextlib
 import copy
 import dataclasses
 import statistics
@@ -118,6 +119,44 @@ def test_extractor_epochs_leave_head_untouched_and_use_alignment():
     assert not any(_changed(head_before, model.head))
     assert all(q.requires_grad for q in model.head.parameters())  # unfrozen afterwards
     assert align > 0
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_the_head_trained_with_the_extractor_takes_the_same_steps_as_the_whole_model(private):
+    """``head-with-extractor``: FedPAC's extractor epochs move the head too, exactly as one
+    model trained whole on the same loss and batches would (with DP: each record's gradient
+    clipped over head and extractor together, one ledger entry for the steps), and FedPAC's
+    local update then spends no steps on a head epoch of its own."""
+    from common import privacy  # pylint: disable=import-outside-toplevel
+    from common.training import sgd, sgd_epochs  # pylint: disable=import-outside-toplevel
+
+    model, x, y = _model_and_data()
+    twin = copy.deepcopy(model)
+    settings = privacy.PrivacySettings(noise_multiplier=0.5, max_grad_norm=0.1)
+
+    def train(fn):
+        with privacy.private_site(settings, 3) if private else contextlib.nullcontext() as site:
+            fn()
+        return site
+
+    site = train(lambda: train_extractor(model, x, y, CFG, torch.Generator().manual_seed(0), with_head=True))
+    assert all(_changed(_params(twin.head), model.head))
+
+    def whole():
+        optimizer = sgd(twin.parameters(), CFG.extractor_lr, CFG)
+        sgd_epochs(optimizer, lambda idx: torch.nn.functional.cross_entropy(twin(x[idx]), y[idx]), CFG.local_epochs,
+                   len(x), CFG.batch_size, torch.Generator().manual_seed(0), x.device, twin)
+
+    twin_site = train(whole)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)
+    if private:
+        assert site.ledger.history == twin_site.ledger.history == [(0.5, 8 / 24, 3)]
+    cfg = dataclasses.replace(CFG, strategy="fedpac", head_epochs=0, head_with_extractor=True)
+    model, x, y = _model_and_data()
+    head_before = _params(model.head)
+    _local_update(model, x, y, Received(), cfg)
+    assert all(_changed(head_before, model.head))
 
 
 def test_lambda_changes_the_extractor_update():

@@ -23,7 +23,8 @@ def representation_update(
     size unless ``fedrep-head-lr`` sets the head's. Returns (body loss, head loss)."""
     head_lr = cfg.fedrep_head_lr or cfg.extractor_lr
     head_loss = train_head(model, x, y, cfg, generator, epochs=cfg.fedrep_head_epochs, lr=head_lr)
-    train_loss, _ = train_extractor(model, x, y, cfg, generator, epochs=cfg.fedrep_body_epochs)
+    train_loss, _ = train_extractor(model, x, y, cfg, generator, epochs=cfg.fedrep_body_epochs,
+                                    with_head=cfg.head_with_extractor)
     return train_loss, head_loss
 
 

@@ -57,7 +57,8 @@ class Routine(ClientRoutine):
         alignment: AlignmentTerm | None = None
         if self.method.align and centroids is not None and mask is not None and bool(mask.any()):
             alignment = partial(alignment_loss, centroids=centroids, mask=mask)
-        train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align)
+        train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align,
+                                            with_head=cfg.head_with_extractor)
 
         statistics: p.NDArrays = {}
         if self.method.align:
