@@ -201,10 +201,11 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # random variable accountant: tighter, so dp-target-epsilon calibrates less noise; slower).
     dp_accountant: str = "rdp"
     # DP-SGD's recipe at every site, for every private step of every method: the expected Poisson
-    # batch, and the step size (taken without momentum or weight decay); 0 keeps each training
+    # batch, and the step size (taken with dp-momentum and no weight decay); 0 keeps each training
     # routine's own batch size, step sizes, momentum and weight decay.
     dp_batch_size: int = 0
     dp_step_size: float = 0.0
+    dp_momentum: float = 0.0
     # Run
     seed: int = 0
     device: str = "auto"
@@ -320,6 +321,7 @@ def _validate(cfg: FedPACConfig) -> None:
            "every site before the last round")
     _check(cfg.dp_batch_size >= 0, k("dp_batch_size"), cfg.dp_batch_size, ">= 0 (0: each routine's batch size)")
     _check(cfg.dp_step_size >= 0, k("dp_step_size"), cfg.dp_step_size, ">= 0 (0: each routine's step sizes)")
+    _check(0 <= cfg.dp_momentum < 1, k("dp_momentum"), cfg.dp_momentum, "in [0, 1)")
     _check(cfg.dp_accountant in ACCOUNTANTS, k("dp_accountant"), cfg.dp_accountant, f"one of {', '.join(ACCOUNTANTS)}")
     _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
            "false with dp = true (per-sample gradients are taken in float32)")
@@ -484,7 +486,7 @@ def privacy_settings(cfg: FedPACConfig) -> PrivacySettings | None:
                            feature_clip=cfg.dp_feature_clip, delta=cfg.dp_delta, epsilon_budget=cfg.dp_epsilon_budget,
                            target_epsilon=cfg.dp_target_epsilon, rounds=cfg.num_server_rounds,
                            accountant=cfg.dp_accountant, batch_size=cfg.dp_batch_size,
-                           step_size=cfg.dp_step_size)
+                           step_size=cfg.dp_step_size, momentum=cfg.dp_momentum)
 
 
 def sites_keep_state(cfg: FedPACConfig) -> bool:

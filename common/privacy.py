@@ -74,10 +74,11 @@ class PrivacySettings:
     rounds: int = 1
     accountant: str = "rdp"
     # DP-SGD's own recipe, in place of each training routine's (0: the routine's): the expected
-    # Poisson batch of every private step, and its step size, taken without momentum or weight
+    # Poisson batch of every private step, and its step size, taken with ``momentum`` and no weight
     # decay. Large batches buy the same privacy for less noise per step.
     batch_size: int = 0
     step_size: float = 0.0
+    momentum: float = 0.0
 
     def epsilon(self, ledger: Ledger) -> float:
         """Epsilon at this delta of everything ``ledger`` holds, by this accountant."""

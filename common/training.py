@@ -75,7 +75,7 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     else:
         batch_size = site.settings.batch_size or batch_size
         if site.settings.step_size:
-            _take_step_size(optimizer, site.settings.step_size)
+            _take_step_size(optimizer, site.settings.step_size, site.settings.momentum)
         size = num_samples if public_size is None else public_size
         rate = privacy.sample_rate(size, batch_size)
         steps = epochs * privacy.steps_per_epoch(size, batch_size)
@@ -99,14 +99,16 @@ def sgd_epochs(  # pylint: disable=too-many-arguments
     return float(total / seen) if seen else 0.0
 
 
-def _take_step_size(optimizer: torch.optim.Optimizer, step_size: float) -> None:
-    """Plain steps of ``step_size``: DP-SGD's recipe takes them without momentum or weight decay
-    (a decay would pull every weight by an amount no record's clipping bounds)."""
+def _take_step_size(optimizer: torch.optim.Optimizer, step_size: float, momentum: float) -> None:
+    """Steps of ``step_size`` with ``momentum``, as DP-SGD's recipe takes them, and no weight decay
+    (a decay would pull every weight by an amount no record's clipping bounds; momentum only
+    averages released gradients, at no cost in privacy)."""
     for group in optimizer.param_groups:
         group["lr"] = step_size
-        for key in ("momentum", "weight_decay"):
-            if key in group:
-                group[key] = 0.0
+        if "momentum" in group:
+            group["momentum"] = momentum
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.0
 
 
 def _privatize(clipped: privacy.ClippedGradients, site: privacy.PrivateSite, expected_batch: float,

@@ -205,11 +205,13 @@ def test_dp_sgd_s_steps_are_a_from_scratch_mechanism_normalized_by_the_expected_
     assert site.ledger.history == [(sigma, q, len(sizes))]
 
 
-def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_only():
-    """``dp-batch-size`` and ``dp-step-size``: a private site's steps sample at the recipe's rate
-    (q = 8/40, not the routine's 20/40) and move the weights by exactly the step size times the
-    from-scratch DP-SGD gradient, without the optimizer's momentum or weight decay; the ledger
-    records the recipe's rate and number of steps. Without DP the routine's own SGD runs."""
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_only(momentum):
+    """``dp-batch-size``, ``dp-step-size`` and ``dp-momentum``: a private site's steps sample at
+    the recipe's rate (q = 8/40, not the routine's 20/40) and move the weights by exactly the step
+    size times the heavy-ball average (the recipe's momentum, not the optimizer's 0.9) of the
+    from-scratch DP-SGD gradients, without the optimizer's weight decay; the ledger records the
+    recipe's rate and number of steps. Without DP the routine's own SGD runs."""
     n, routine_batch, recipe_batch, d, k = 40, 20, 8, 5, 3
     sigma, clip, step = 0.7, 1.0, 0.4
     g = torch.Generator().manual_seed(1)
@@ -218,7 +220,8 @@ def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_
     model = nn.Linear(d, k)
     start = [param.detach().clone() for param in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.1)
-    settings = PrivacySettings(noise_multiplier=sigma, max_grad_norm=clip, batch_size=recipe_batch, step_size=step)
+    settings = PrivacySettings(noise_multiplier=sigma, max_grad_norm=clip, batch_size=recipe_batch, step_size=step,
+                               momentum=momentum)
     with private_site(settings, 3) as site:
         sgd_epochs(optimizer, lambda idx: F.cross_entropy(model(x[idx]), y[idx]), 1, n, routine_batch,
                    torch.Generator().manual_seed(4), torch.device("cpu"), model)
@@ -230,6 +233,7 @@ def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_
             param.copy_(value)
     params = list(expected.parameters())
     sampling, noise = torch.Generator().manual_seed(4), torch.Generator().manual_seed(3)
+    velocity: list[torch.Tensor] | None = None
     for _ in range(math.ceil(n / recipe_batch)):
         chosen = torch.nonzero(torch.rand(n, generator=sampling) < q).flatten().tolist()
         summed = [torch.zeros_like(param) for param in params]
@@ -237,17 +241,21 @@ def test_the_dp_recipe_s_batch_and_step_replace_the_routine_s_for_private_steps_
             grads = torch.autograd.grad(F.cross_entropy(expected(x[i:i + 1]), y[i:i + 1]), params)
             factor = min(1.0, clip / math.sqrt(sum(float(g_i.square().sum()) for g_i in grads)))
             summed = [total + g_i * factor for total, g_i in zip(summed, grads)]
+        noisy = [(total + sigma * clip * torch.randn(param.shape, generator=noise)) / (q * n)
+                 for param, total in zip(params, summed)]
+        velocity = noisy if velocity is None else [momentum * v + g_i for v, g_i in zip(velocity, noisy)]
         with torch.no_grad():
-            for param, total in zip(params, summed):
-                param -= step * (total + sigma * clip * torch.randn(param.shape, generator=noise)) / (q * n)
+            for param, v in zip(params, velocity):
+                param -= step * v
     for got, want in zip(model.parameters(), params):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert site.ledger.history == [(sigma, q, math.ceil(n / recipe_batch))]
 
     # without DP the recipe is not read: the routine's batches and its optimizer as configured
     assert privacy_settings(parse_run_config({"dp": False, "dp-batch-size": 8, "dp-step-size": 0.4})) is None
-    recipe = privacy_settings(parse_run_config({"dp": True, "dp-batch-size": 8, "dp-step-size": 0.4}))
-    assert recipe is not None and (recipe.batch_size, recipe.step_size) == (8, 0.4)
+    recipe = privacy_settings(parse_run_config({"dp": True, "dp-batch-size": 8, "dp-step-size": 0.4,
+                                                "dp-momentum": 0.5}))
+    assert recipe is not None and (recipe.batch_size, recipe.step_size, recipe.momentum) == (8, 0.4, 0.5)
     plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.1)
     sgd_epochs(plain, lambda idx: F.cross_entropy(model(x[idx]), y[idx]), 1, n, routine_batch,
                torch.Generator().manual_seed(4), torch.device("cpu"), model)
