@@ -71,7 +71,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("test_data.py", "test_partition.py", "test_vem_partitions.py")),
     "sites": (("common/sites.py", "common/site_state.py", "server_app/federation.py", "client_app/site_model.py"),
               ("test_sites.py", "test_operator.py", "test_site_state.py", "test_site_models.py", "test_preflight.py",
-               "test_strategy.py", "test_site_privacy.py")),
+               "test_strategy.py", "test_site_privacy.py", "test_site.py")),
     "robust": (("common/robust.py",), ("test_robust.py", "test_strategy.py")),
     "new-methods": (("common/methods/fedprox/client.py", "common/methods/fedprox/server.py",
                      "common/methods/ditto/client.py", "common/methods/ditto/server.py",
