@@ -177,6 +177,7 @@ BAD_VALUES: dict[str, list[Bad]] = {
     "dp-accountant": [Bad("pld", "one of rdp, prv")],
     "dp-batch-size": [Bad(-1, ">= 0")],
     "dp-step-size": [Bad(-0.5, ">= 0")],
+    "dp-momentum": [Bad(1.0, "in [0, 1)"), Bad(-0.1, "in [0, 1)")],
     # per-sample gradients are taken in float32
     "mixed-precision": [Bad(True, "false with dp = true", {"dp": True})],
     # the methods' own settings (common.methods.base.setting)
@@ -205,6 +206,7 @@ BAD_VALUES: dict[str, list[Bad]] = {
 
 NO_INVALID_VALUE: dict[str, str] = {
     "full-last-round": "a switch: both values are meaningful",
+    "head-with-extractor": "a switch: both values are meaningful",
     "fused-evaluation": "a switch: both values are meaningful (it is ignored where it cannot apply)",
     "clustered-anchors": "a switch: both values are meaningful",
     "agreeing-heads": "a switch: both values are meaningful (methods that mix no heads ignore it)",
