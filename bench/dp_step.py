@@ -47,7 +47,7 @@ def opacus_clipped_sums(module: nn.Module, loss: Callable[[], torch.Tensor], bat
     finally:
         hooks.remove_hooks()
     factors = privacy.clip_factors(privacy.per_sample_norms(per_sample), MAX_NORM)
-    sums = [torch.einsum("i,i...->...", factors, g) for g in per_sample]
+    sums = [privacy.clipped_sum(factors, g) for g in per_sample]
     for param in module.parameters():
         param.grad_sample = None  # type: ignore[attr-defined]
     return sums

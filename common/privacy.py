@@ -306,11 +306,17 @@ def noisy_mean(clipped_sums: Sequence[torch.Tensor], settings: PrivacySettings, 
     return noisy
 
 
+def clipped_sum(factors: torch.Tensor, per_sample_grad: torch.Tensor) -> torch.Tensor:
+    """sum_i c_i g_i of one parameter's per-record gradients (B, *shape), each scaled by its
+    record's clip factor."""
+    return torch.einsum("i,i...->...", factors.to(per_sample_grad.dtype), per_sample_grad)
+
+
 def private_gradient(per_sample_grads: Sequence[torch.Tensor], settings: PrivacySettings, expected_batch: float,
                      generator: torch.Generator) -> list[torch.Tensor]:
     """:func:`noisy_mean` of per-sample gradients a routine computed itself (pFedVEM's E-step)."""
     factors = clip_factors(per_sample_norms(per_sample_grads), settings.max_grad_norm)
-    sums = [torch.einsum("i,i...->...", factors.to(g.dtype), g) for g in per_sample_grads]
+    sums = [clipped_sum(factors, g) for g in per_sample_grads]
     return noisy_mean(sums, settings, expected_batch, generator)
 
 
@@ -338,7 +344,6 @@ class ClippedGradients:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.layers: list[nn.Linear | nn.Conv2d] = []
         for name, layer in module.named_modules():
@@ -485,7 +490,7 @@ class _Materialized:
         return sum((g.flatten(1).square().sum(dim=1) for g in self.per_sample.values()), torch.zeros(()))
 
     def clipped_sums(self, factors: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
-        return {param: torch.einsum("i,i...->...", factors, g).to(param.dtype) for param, g in self.per_sample.items()}
+        return {param: clipped_sum(factors, g).to(param.dtype) for param, g in self.per_sample.items()}
 
 
 _LayerGradients = _GhostLinear | _Materialized

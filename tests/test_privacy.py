@@ -52,7 +52,7 @@ CFG = parse_run_config({"batch-size": 16, "local-epochs": 1, "extractor-lr": 0.0
 # ------------------------------------------------------------------------------- DP-SGD
 
 
-def _clipped_sum_by_autograd(model: nn.Module, params: list[torch.Tensor], loss_of, n: int,
+def _clipped_sum_by_autograd(params: list[torch.Tensor], loss_of, n: int,
                              max_norm: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Each record's gradient by autograd, one record at a time; their norms and clipped sum."""
     per_record = [torch.autograd.grad(loss_of(slice(i, i + 1)), params) for i in range(n)]
@@ -94,7 +94,7 @@ def test_the_clipped_sum_is_each_record_s_own_gradient_clipped_and_summed(case):
         params = [q for q in module.parameters() if q.requires_grad]
         loss_of = lambda i: F.cross_entropy(model(x[i]), y[i])  # noqa: E731
     max_norm = 0.5
-    norms, want = _clipped_sum_by_autograd(model, params, loss_of, len(y), max_norm)
+    norms, want = _clipped_sum_by_autograd(params, loss_of, len(y), max_norm)
     assert int((norms > max_norm).sum()) > len(y) // 2  # the clipping bites
     with privacy.ClippedGradients(module) as clipped:
         loss_of(slice(None)).backward()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from benches import load_bench
 
+from common import privacy
 from common import protocol as p
 from common.config import FedPACConfig
 from common.methods import METHODS
@@ -18,7 +19,7 @@ from common.methods.fedpac.client import alignment_loss
 from common.model import FedPACNet
 from common.methods.fedpac.statistics import feature_statistics
 from common.statistics import class_feature_sums
-from common.training import train_extractor, train_head
+from common.training import sgd, sgd_epochs, train_extractor, train_head
 
 CFG = FedPACConfig(local_epochs=1, batch_size=8)
 
@@ -127,9 +128,6 @@ def test_the_head_trained_with_the_extractor_takes_the_same_steps_as_the_whole_m
     model trained whole on the same loss and batches would (with DP: each record's gradient
     clipped over head and extractor together, one ledger entry for the steps), and FedPAC's
     local update then spends no steps on a head epoch of its own."""
-    from common import privacy  # pylint: disable=import-outside-toplevel
-    from common.training import sgd, sgd_epochs  # pylint: disable=import-outside-toplevel
-
     model, x, y = _model_and_data()
     twin = copy.deepcopy(model)
     settings = privacy.PrivacySettings(noise_multiplier=0.5, max_grad_norm=0.1)
