@@ -26,7 +26,7 @@ from common.drift import Drift, label_map
 from common.methods.base import Method
 from common.methods.client import (SITE_PARTS, ClientResult, LocalData, Received, SiteState, client_routine,
                                    only_parts, site_model_state)
-from common.model import FedPACNet, initial_model, weights_digest
+from common.model import FedPACNet, initial_model, model_inputs, weights_digest
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, calibrate, private_site
 from common.site_privacy import (Entry, SiteLedger, SitePolicy, digest_arrays, noise_seed, parse_secret, privacy_folder,
                                  release_id, site_secret)
@@ -80,7 +80,9 @@ def data_path_of(context: Context) -> str:
 def client_tensors(
     cfg: FedPACConfig, partition_id: int, num_partitions: int, device: torch.device, data_path: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_test, y_test) on ``device``, built once per process and client.
+    """(x_train, y_train, x_test, y_test) on ``device``, built once per process and client, as
+    the model reads them (``common.model.model_inputs``: the normalized images, or their
+    scattering).
 
     A deployed SuperNode names its own data directory in ``data-path`` and trains on all of it;
     otherwise (simulation, demos) the client takes partition ``partition_id`` of the run's dataset.
@@ -101,14 +103,17 @@ def client_tensors(
         train = data.train_images[split.train_indices], split.train_labels
         test = data.test_images[split.test_indices], split.test_labels
         mean, std = run_normalization(cfg, data)
-    return (*to_tensors(*train, mean, std, device), *to_tensors(*test, mean, std, device))
+    x, y = to_tensors(*train, mean, std, device)
+    x_test, y_test = to_tensors(*test, mean, std, device)
+    return model_inputs(x, cfg.extractor_front_end), y, model_inputs(x_test, cfg.extractor_front_end), y_test
 
 
 @lru_cache(maxsize=4)
 def full_test_tensors(cfg: FedPACConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The dataset's whole test set on ``device``, for the generalized accuracy (once per process)."""
     data = load_dataset(cfg)
-    return to_tensors(data.test_images, data.test_labels, *run_normalization(cfg, data), device)
+    x, y = to_tensors(data.test_images, data.test_labels, *run_normalization(cfg, data), device)
+    return model_inputs(x, cfg.extractor_front_end), y
 
 
 _FULL_TEST_FEATURES: dict[tuple[bytes, FedPACConfig, torch.device], torch.Tensor] = {}
@@ -154,7 +159,7 @@ def generalized_due(cfg: FedPACConfig, server_round: int) -> bool:
 @lru_cache(maxsize=4)
 def initial_state(cfg: FedPACConfig) -> p.NDArrays:
     """The run's round-0 model, as the server builds it: a site's start for the parts it keeps."""
-    model = initial_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed)
+    model = initial_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed, cfg.extractor_front_end)
     return {key: value.numpy() for key, value in model.state_dict().items()}
 
 
@@ -163,7 +168,7 @@ def _model_from(sections: p.Sections, kept: dict[str, p.NDArrays], method: Metho
     """The site's model: the parts its method shares as the server sent them, the others as the
     site kept them (``common.methods.client.site_model_state``)."""
     state = site_model_state(method, sections.get(p.MODEL, {}), kept.get(SITE_PARTS), lambda: initial_state(cfg))
-    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes)
+    model = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.extractor_front_end)
     model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True)
     return model.to(device)
 
@@ -476,6 +481,7 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
             method=cfg.strategy, run_id=context.run_id, round=server_round, partition_id=partition_id,
             accuracy=accuracy, num_classes=cfg.num_classes, image_size=cfg.image_size,
             image_channels=cfg.image_channels, mean=[float(v) for v in mean], std=[float(v) for v in std],
+            front_end=cfg.extractor_front_end,
         ), run_complete=last_round)
         log(INFO, "partition %d, round %d: personalized model saved in %s%s", partition_id, server_round, folder,
             " (now the site's current model)" if last_round else "")

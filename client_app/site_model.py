@@ -59,7 +59,7 @@ import torch
 
 from common.data import IMAGE_SUFFIXES, to_tensors
 from common.files import atomic_write
-from common.model import FedPACNet
+from common.model import FedPACNet, model_inputs
 
 MODEL_FILE = "model.pt"
 INFO_FILE = "model.json"
@@ -83,6 +83,7 @@ class SiteModel:
     mean: list[float]  # per-channel input normalization, in [0, 1] pixel units
     std: list[float]
     saved_at: float = 0.0  # Unix time of the save (0: written before runs were kept); orders the runs
+    front_end: str = "none"  # the run's extractor-front-end: what the model reads (common.model.model_inputs)
 
 
 def run_id_of(run: int | str) -> int:
@@ -233,7 +234,7 @@ def load_site_model(directory: str | Path, device: str | torch.device = "cpu",
         state = torch.load(folder / MODEL_FILE, map_location=device, weights_only=True)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{folder} holds no site model ({MODEL_FILE} + {INFO_FILE}): {err}") from err
-    model = FedPACNet(info.image_channels, info.image_size, info.num_classes)
+    model = FedPACNet(info.image_channels, info.image_size, info.num_classes, info.front_end)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), info
 
@@ -249,7 +250,7 @@ def predict(model: FedPACNet, info: SiteModel, images: np.ndarray) -> tuple[np.n
     device = next(model.parameters()).device
     x, _ = to_tensors(images, np.zeros(len(images), dtype=np.int64), np.asarray(info.mean),
                       np.asarray(info.std), device)
-    probabilities = torch.softmax(model(x), dim=1).cpu().numpy()
+    probabilities = torch.softmax(model(model_inputs(x, info.front_end)), dim=1).cpu().numpy()
     return probabilities.argmax(axis=1), probabilities
 
 

@@ -17,6 +17,7 @@ from common.drift import DRIFT_PATTERNS, MIN_CLASSES, Drift, parse_drift_rounds
 from common.methods import METHODS
 from common.methods.base import Method, settings_of
 from common.methods.pfedvem import SAMPLE_PROTOCOLS
+from common.model import FRONT_ENDS
 from common.privacy import ACCOUNTANTS, PrivacySettings
 from common.robust import AGGREGATIONS
 from common.sites import PartitionMap
@@ -206,6 +207,10 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     dp_batch_size: int = 0
     dp_step_size: float = 0.0
     dp_momentum: float = 0.0
+    # What the extractor reads: the images ("none", the paper's CNN) or their scattering
+    # ("scatternet": a fixed transform, applied once to a site's data, then one trained layer;
+    # ``common.model``), whose features DP-SGD needs far fewer records to learn a head on.
+    extractor_front_end: str = "none"
     # Run
     seed: int = 0
     device: str = "auto"
@@ -322,6 +327,8 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.dp_batch_size >= 0, k("dp_batch_size"), cfg.dp_batch_size, ">= 0 (0: each routine's batch size)")
     _check(cfg.dp_step_size >= 0, k("dp_step_size"), cfg.dp_step_size, ">= 0 (0: each routine's step sizes)")
     _check(0 <= cfg.dp_momentum < 1, k("dp_momentum"), cfg.dp_momentum, "in [0, 1)")
+    _check(cfg.extractor_front_end in FRONT_ENDS, k("extractor_front_end"), cfg.extractor_front_end,
+           f"one of {', '.join(FRONT_ENDS)}")
     _check(cfg.dp_accountant in ACCOUNTANTS, k("dp_accountant"), cfg.dp_accountant, f"one of {', '.join(ACCOUNTANTS)}")
     _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
            "false with dp = true (per-sample gradients are taken in float32)")

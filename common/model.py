@@ -3,6 +3,10 @@
 FedPAC shares the extractor ``theta`` (every layer up to the d-dimensional embedding) and keeps
 the head ``phi`` (d -> K) personal, so the split is part of the model's structure: parameter
 names start with ``extractor.`` or ``head.``.
+
+A second extractor, for differentially private training (``extractor-front-end = "scatternet"``),
+puts a fixed scattering transform in front of one trained layer: Tramer & Boneh, "Differentially
+private learning needs better features (or much more data)", ICLR 2021.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from torch import nn
 EMBEDDING_DIM = 128
 EXTRACTOR_PREFIX = "extractor."
 HEAD_PREFIX = "head."
+FRONT_ENDS = ("none", "scatternet")
+SCATTERING_SCALES = 2  # J: Tramer & Boneh's choice for 28x28 and 32x32 images
 
 
 def _conv_block(in_channels: int, out_channels: int, kernel: int, padding: int) -> list[nn.Module]:
@@ -25,8 +31,68 @@ def _conv_block(in_channels: int, out_channels: int, kernel: int, padding: int) 
     ]
 
 
-def _extractor(in_channels: int, image_size: int) -> nn.Sequential:
-    """The paper's extractor: 2 conv blocks for 28x28x1, 3 for 32x32x3, then fc -> d."""
+class ScatterNet(nn.Module):
+    """A scattering transform (Oyallon & Mallat; ``kymatio``): fixed wavelet filters, nothing
+    learned from data, so its features cost a private site no privacy, and they are far better
+    than what DP-SGD learns in conv layers from a site's few thousand records.
+
+    It is not part of :class:`FedPACNet`: having nothing to learn, it is applied once to a site's
+    images (:func:`model_inputs`) instead of at every epoch, and its filters, which every party
+    builds the same way, are never sent, saved or averaged. Output: ``N x (C * 81) x H/4 x W/4``
+    for J = 2 and 8 angles."""
+
+    def __init__(self, image_size: int) -> None:
+        super().__init__()
+        # The 2-D frontend's own module: ``kymatio.torch`` also loads the 3-D transform, which
+        # needs ``scipy.special.sph_harm`` (gone from SciPy 1.15).
+        from kymatio.scattering2d.frontend.torch_frontend import (  # pylint: disable=import-outside-toplevel
+            ScatteringTorch2D,
+        )
+
+        self.transform = ScatteringTorch2D(J=SCATTERING_SCALES, shape=(image_size, image_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transform(x.contiguous()).flatten(1, 2)
+
+
+def scattering_shape(in_channels: int, image_size: int) -> tuple[int, int, int]:
+    """The shape of one image's scattering: (C * 81) x H/4 x W/4 (J = 2, 8 angles)."""
+    angles = 8
+    orders = 1 + SCATTERING_SCALES * angles + angles**2 * SCATTERING_SCALES * (SCATTERING_SCALES - 1) // 2
+    side = image_size // 2**SCATTERING_SCALES
+    return in_channels * orders, side, side
+
+
+@torch.no_grad()
+def model_inputs(images: torch.Tensor, front_end: str, chunk: int = 1000) -> torch.Tensor:
+    """What :class:`FedPACNet` reads: the normalized images themselves, or with the ScatterNet
+    front end their scattering, computed here once for a site's whole split (``chunk`` images at
+    a time, to bound the transform's memory)."""
+    if front_end == "none":
+        return images
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"unknown extractor front end {front_end!r}; known: {', '.join(FRONT_ENDS)}")
+    scattering = ScatterNet(images.shape[-1]).to(images.device)
+    if len(images) == 0:
+        return images.new_zeros((0, *scattering_shape(images.shape[1], images.shape[-1])))
+    return torch.cat([scattering(part) for part in images.split(chunk)])
+
+
+def _scatternet_extractor(in_channels: int, image_size: int) -> nn.Sequential:
+    """For scattered images: a parameter-free group normalization (Tramer & Boneh's), then one
+    fc layer -> d."""
+    channels, height, width = scattering_shape(in_channels, image_size)
+    return nn.Sequential(nn.GroupNorm(27, channels, affine=False), nn.Flatten(),
+                         nn.Linear(channels * height * width, EMBEDDING_DIM), nn.LeakyReLU())
+
+
+def _extractor(in_channels: int, image_size: int, front_end: str = "none") -> nn.Sequential:
+    """The paper's extractor: 2 conv blocks for 28x28x1, 3 for 32x32x3, then fc -> d; or, behind
+    the ScatterNet front end (:func:`model_inputs`), one fc layer."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"unknown extractor front end {front_end!r}; known: {', '.join(FRONT_ENDS)}")
+    if front_end == "scatternet":
+        return _scatternet_extractor(in_channels, image_size)
     if (in_channels, image_size) == (1, 28):
         convs = _conv_block(1, 16, 5, 0) + _conv_block(16, 32, 5, 1)
     elif (in_channels, image_size) == (3, 32):
@@ -43,11 +109,12 @@ def _extractor(in_channels: int, image_size: int) -> nn.Sequential:
 
 
 class FedPACNet(nn.Module):
-    """Feature extractor ``f_theta`` followed by a linear classifier head ``phi``."""
+    """Feature extractor ``f_theta`` followed by a linear classifier head ``phi``. With a front
+    end, it reads :func:`model_inputs` of the images instead of the images."""
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int) -> None:
+    def __init__(self, in_channels: int, image_size: int, num_classes: int, front_end: str = "none") -> None:
         super().__init__()
-        self.extractor = _extractor(in_channels, image_size)
+        self.extractor = _extractor(in_channels, image_size, front_end)
         self.head = nn.Linear(EMBEDDING_DIM, num_classes)
 
     @property
@@ -62,13 +129,14 @@ class FedPACNet(nn.Module):
         return self.head(self.extractor(x))
 
 
-def initial_model(in_channels: int, image_size: int, num_classes: int, seed: int) -> FedPACNet:
+def initial_model(in_channels: int, image_size: int, num_classes: int, seed: int,
+                  front_end: str = "none") -> FedPACNet:
     """The run's round-0 model: the same for a given seed on every machine, so that a site can
     build for itself the parts of it that its method never sends (``Rule.LOCAL``). Torch's global
     random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return FedPACNet(in_channels, image_size, num_classes)
+        return FedPACNet(in_channels, image_size, num_classes, front_end)
 
 
 def part_of(key: str) -> str:

@@ -97,13 +97,17 @@ def train_curve(
     return curve
 
 
+def _fresh_model(cfg: FedPACConfig, device: torch.device) -> FedPACNet:
+    """A model of the run's architecture, initialized from torch's global random state."""
+    return FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.extractor_front_end).to(device)
+
+
 def group_pooled(clients: Sequence[ClientData], cfg: FedPACConfig, epochs: int, eval_every: int,
                  seed: int) -> list[tuple[int, float]]:
     """Mean client accuracy by epoch of one model per group trained on the group's pooled data."""
     members = groups(clients)
     torch.manual_seed(seed)
-    models = {g: FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(clients[0].train[0].device)
-              for g in members}
+    models = {g: _fresh_model(cfg, clients[0].train[0].device) for g in members}
     curves = {}
     for g, group in members.items():
         def measure(model: FedPACNet = models[g], group: list[ClientData] = group) -> float:
@@ -124,7 +128,7 @@ def all_pooled_group_head(clients: Sequence[ClientData], cfg: FedPACConfig, epoc
     fine-tuned for ``head_epochs`` epochs on the group's pooled data (the extractor frozen)."""
     members = groups(clients)
     torch.manual_seed(seed)
-    shared = FedPACNet(cfg.image_channels, cfg.image_size, cfg.num_classes).to(clients[0].train[0].device)
+    shared = _fresh_model(cfg, clients[0].train[0].device)
 
     group_data = {g: pooled(group) for g, group in members.items()}
 

@@ -35,7 +35,7 @@ app = ServerApp()
 
 def initial_model(cfg: FedPACConfig) -> FedPACNet:
     """The round-0 model, identical for a given seed (``common.model.initial_model``)."""
-    return seeded_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed)
+    return seeded_model(cfg.image_channels, cfg.image_size, cfg.num_classes, cfg.seed, cfg.extractor_front_end)
 
 
 def run_directory(cfg: FedPACConfig, run_id: int) -> Path:

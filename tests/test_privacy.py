@@ -25,7 +25,7 @@ from common import protocol as p
 from common.config import parse_run_config, privacy_settings
 from common.methods import METHODS
 from common.methods.client import LocalData, Received, SiteState
-from common.model import FedPACNet
+from common.model import FedPACNet, model_inputs
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
 from common.site_privacy import Entry, SiteLedger
 from common.statistics import class_feature_sums, class_means
@@ -62,13 +62,15 @@ def _clipped_sum_by_autograd(params: list[torch.Tensor], loss_of, n: int,
 
 
 @pytest.mark.parametrize("case", ["whole model", "extractor under a frozen head", "head on frozen features",
-                                  "a layer called twice", "strided and dilated convolution"])
+                                  "a layer called twice", "strided and dilated convolution",
+                                  "behind the ScatterNet front end"])
 def test_the_clipped_sum_is_each_record_s_own_gradient_clipped_and_summed(case):
     """DP-SGD's clipped sum, read from each layer's input and output gradient (the linear layers'
     without forming any record's gradient), equals the sum of every record's own gradient by
     autograd, one record at a time, each scaled to the clipping norm: for the product's model
     trained whole, its extractor under a frozen head, its head on features without gradients, a
-    layer a step calls twice and a convolution with a stride, a dilation and padding."""
+    layer a step calls twice, a convolution with a stride, a dilation and padding, and the model
+    behind the ScatterNet front end (its normalization has no parameters to clip)."""
     x, y = _data(9)
     model = _model()
     if case == "a layer called twice":
@@ -80,6 +82,12 @@ def test_the_clipped_sum_is_each_record_s_own_gradient_clipped_and_summed(case):
     elif case == "strided and dilated convolution":
         model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, dilation=2, padding=(2, 1)), nn.Flatten(), nn.LazyLinear(10))
         model(x[:1])
+        module, params = model, list(model.parameters())
+        loss_of = lambda i: F.cross_entropy(model(x[i]), y[i])  # noqa: E731
+    elif case == "behind the ScatterNet front end":
+        torch.manual_seed(0)
+        model = FedPACNet(1, 28, 10, "scatternet")
+        x = model_inputs(x, "scatternet")
         module, params = model, list(model.parameters())
         loss_of = lambda i: F.cross_entropy(model(x[i]), y[i])  # noqa: E731
     elif case == "head on frozen features":

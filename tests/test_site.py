@@ -23,6 +23,7 @@ import flwr.supernode.start_client_internal as supernode_loop
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from client_app import site_model
@@ -78,12 +79,17 @@ def test_a_site_with_its_own_data_normalizes_like_everyone_else(tmp_path):
     assert x.mean().item() > 2  # far from zero: the site's own mean was not subtracted
 
 
-def test_a_saved_site_model_predicts_like_the_model_it_saved(tmp_path):
+@pytest.mark.parametrize("front_end", ["none", "scatternet"])
+def test_a_saved_site_model_predicts_like_the_model_it_saved(tmp_path, front_end):
+    """A site's saved model, loaded back, gives the saved model's probabilities for raw images:
+    normalized as the run normalized them and, with a front end, scattered first (kymatio's
+    transform, computed here independently)."""
     torch.manual_seed(0)
-    model = FedPACNet(1, 28, 10).eval()
+    model = FedPACNet(1, 28, 10, front_end).eval()
     (mean,), (std,) = DATASET_NORMALIZATION["mnist-5k"]
     info = site_model.SiteModel(method="fedpac", run_id=7, round=3, partition_id=2, accuracy=0.5,
-                                num_classes=10, image_size=28, image_channels=1, mean=[mean], std=[std])
+                                num_classes=10, image_size=28, image_channels=1, mean=[mean], std=[std],
+                                front_end=front_end)
     site_model.save_site_model(tmp_path / "site", model, info, run_complete=True)
     # no .tmp left: the current model's copies, the pointer to its run, and the run's own folder
     assert sorted(p.name for p in (tmp_path / "site").iterdir()) == ["current", "model.json", "model.pt", "runs"]
@@ -93,6 +99,8 @@ def test_a_saved_site_model_predicts_like_the_model_it_saved(tmp_path):
     images = np.random.default_rng(1).integers(0, 256, (6, 28, 28), dtype=np.uint8)
     labels, probabilities = site_model.predict(loaded, loaded_info, images)
     x = (torch.from_numpy(images).float()[:, None] / 255 - mean) / (std + 1e-8)
+    if front_end == "scatternet":
+        x = ScatteringTorch2D(J=2, shape=(28, 28))(x).flatten(1, 2)
     with torch.no_grad():
         expected = torch.softmax(model(x), dim=1).numpy()
     np.testing.assert_allclose(probabilities, expected, rtol=1e-5, atol=1e-6)
