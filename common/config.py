@@ -201,16 +201,21 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     # How each site composes its releases into epsilon: "rdp" (Rényi DP) or "prv" (the privacy
     # random variable accountant: tighter, so dp-target-epsilon calibrates less noise; slower).
     dp_accountant: str = "rdp"
-    # DP-SGD's recipe at every site, for every private step of every method: the expected Poisson
-    # batch, and the step size (taken with dp-momentum and no weight decay); 0 keeps each training
-    # routine's own batch size, step sizes, momentum and weight decay.
-    dp_batch_size: int = 0
-    dp_step_size: float = 0.0
-    dp_momentum: float = 0.0
+    # DP-SGD's recipe at every site, for every private step of every method (docs/RESULTS.md,
+    # "Differential privacy with a recipe"): the expected Poisson batch, and the step size (taken
+    # with dp-momentum and no weight decay); 0 keeps each training routine's own batch size, step
+    # sizes, momentum and weight decay.
+    dp_batch_size: int = 1024
+    dp_step_size: float = 0.5
+    dp_momentum: float = 0.9
+    # FedPAC's feature-alignment weight under DP, in place of lambda-align: the global centroids
+    # it aligns to are released with noise, which alignment turns into noise on every feature.
+    dp_lambda_align: float = 0.0
     # What the extractor reads: the images ("none", the paper's CNN) or their scattering
     # ("scatternet": a fixed transform, applied once to a site's data, then one trained layer;
-    # ``common.model``), whose features DP-SGD needs far fewer records to learn a head on.
-    extractor_front_end: str = "none"
+    # ``common.model``), whose features DP-SGD needs far fewer records to learn from. "auto": the
+    # ScatterNet with dp on, the paper's CNN without (the config holds the one chosen).
+    extractor_front_end: str = "auto"
     # Run
     seed: int = 0
     device: str = "auto"
@@ -227,6 +232,8 @@ class FedPACConfig:  # pylint: disable=too-many-instance-attributes
     def __post_init__(self) -> None:
         if self.extractor_lr == 0:  # the dataset's step size, however the config was made
             object.__setattr__(self, "extractor_lr", DATASET_EXTRACTOR_LR.get(self.dataset, DEFAULT_EXTRACTOR_LR))
+        if self.extractor_front_end == "auto":  # the ScatterNet's features cost no privacy
+            object.__setattr__(self, "extractor_front_end", "scatternet" if self.dp else "none")
 
     @staticmethod
     def key(field_name: str) -> str:
@@ -328,7 +335,8 @@ def _validate(cfg: FedPACConfig) -> None:
     _check(cfg.dp_step_size >= 0, k("dp_step_size"), cfg.dp_step_size, ">= 0 (0: each routine's step sizes)")
     _check(0 <= cfg.dp_momentum < 1, k("dp_momentum"), cfg.dp_momentum, "in [0, 1)")
     _check(cfg.extractor_front_end in FRONT_ENDS, k("extractor_front_end"), cfg.extractor_front_end,
-           f"one of {', '.join(FRONT_ENDS)}")
+           f"one of auto, {', '.join(FRONT_ENDS)}")
+    _check(cfg.dp_lambda_align >= 0, k("dp_lambda_align"), cfg.dp_lambda_align, ">= 0")
     _check(cfg.dp_accountant in ACCOUNTANTS, k("dp_accountant"), cfg.dp_accountant, f"one of {', '.join(ACCOUNTANTS)}")
     _check(not (cfg.dp and cfg.mixed_precision), k("mixed_precision"), cfg.mixed_precision,
            "false with dp = true (per-sample gradients are taken in float32)")
@@ -531,6 +539,12 @@ def _apply_dataset(cfg: FedPACConfig) -> FedPACConfig:
         classes //= SUPER_LABEL_SIZE
     return FedPACConfig(**{**cfg.__dict__, "num_classes": classes, "image_size": image_size,
                            "image_channels": channels})
+
+
+def alignment_weight(cfg: FedPACConfig) -> float:
+    """FedPAC's feature-alignment weight lambda: ``dp-lambda-align`` with dp on, else
+    ``lambda-align``."""
+    return cfg.dp_lambda_align if cfg.dp else cfg.lambda_align
 
 
 def dataset_classes(cfg: FedPACConfig) -> int:

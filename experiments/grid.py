@@ -46,6 +46,7 @@ from typing import Any
 
 from common.config import ConfigError, FedPACConfig, parse_run_config
 from common.methods import METHODS
+from common.methods.base import Alignment
 
 # Run-config keys that are the grid's own axes (or the runner's business), not overrides.
 RESERVED_KEYS = ("strategy", "seed", "num-server-rounds", "output-dir", "resume-from")
@@ -57,7 +58,22 @@ NOT_IDENTITY = ("output_dir", "resume_from", "save_model_every", "round_timeout"
 # `local-epochs` epochs before `fedrep-body-epochs` existed).
 _ADDED_WITH_OTHER_DEFAULT: dict[str, Callable[[dict[str, Any]], Any]] = {
     "fedrep_body_epochs": lambda c: c.get("local_epochs") if c.get("strategy") == "fedrep" else 1,
+    # DP-SGD took each routine's batch and step sizes before the DP recipe had keys, and FedPAC
+    # aligned with lambda-align under DP before dp-lambda-align existed
+    "dp_batch_size": lambda c: 0,
+    "dp_step_size": lambda c: 0.0,
+    "dp_momentum": lambda c: 0.0,
+    "dp_lambda_align": lambda c: (c.get("lambda_align", 1.0) if c.get("dp") and c.get("strategy") in ALIGNING
+                                  else 0.0),
 }
+# the methods whose extractor steps align features to centroids with lambda-align
+ALIGNING = tuple(name for name, method in METHODS.items() if method.alignment is Alignment.CENTROIDS)
+
+
+def dp_only(config: dict[str, Any]) -> tuple[str, ...]:
+    """The DP settings (``dp-*``), where dp is off: they compute nothing then, so a run without DP
+    is the same computation whatever they say (their defaults changed when the DP recipe did)."""
+    return () if config.get("dp") else tuple(key for key in config if key.startswith("dp_"))
 
 
 def not_identity(config: dict[str, Any]) -> tuple[str, ...]:
@@ -82,7 +98,7 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     defaults, current = json.loads(json.dumps(asdict(FedPACConfig()))), json.loads(json.dumps(current))
     stored, current = ({k: v for k, v in config.items() if not (k == "method_settings" and not v)}
                        for config in (stored, current))
-    skip = {*not_identity(current), *ignore}
+    skip = {*not_identity(current), *dp_only(current), *ignore}
     for key, value in current.items():
         if key in skip:
             continue

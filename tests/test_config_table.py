@@ -101,7 +101,8 @@ BAD_VALUES: dict[str, list[Bad]] = {
     "vem-initial-sigma": [Bad(0.0, "> 0")],
     "alpha-threshold": [Bad(1.0, "in [0, 1)"), Bad(-0.1, "in [0, 1)")],
     "qp-solver": [Bad("scipy", "one of vectorized, cvxpy")],
-    "extractor-front-end": [Bad("resnet", "one of none, scatternet")],
+    "extractor-front-end": [Bad("resnet", "one of auto, none, scatternet")],
+    "dp-lambda-align": [Bad(-0.5, ">= 0")],
     "dataset": [Bad("imagenet", "one of mnist-5k, ")],
     # a generic dataset needs a source: a Hugging Face name or a saved DatasetDict
     "hf-repo": [Bad("", "a Hugging Face dataset name", {"dataset": "hf"})],

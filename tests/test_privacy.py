@@ -24,7 +24,7 @@ from common import privacy
 from common import protocol as p
 from common.config import parse_run_config, privacy_settings
 from common.methods import METHODS
-from common.methods.client import LocalData, Received, SiteState
+from common.methods.client import LocalData, Received, SiteState, client_routine
 from common.model import FedPACNet, model_inputs
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
 from common.site_privacy import Entry, SiteLedger
@@ -211,6 +211,33 @@ def test_dp_sgd_s_steps_are_a_from_scratch_mechanism_normalized_by_the_expected_
             torch.testing.assert_close(got[j], noisy / (q * n), rtol=1e-5, atol=1e-7)
     assert sum(size != q * n for size in sizes) >= len(sizes) // 2  # the two normalizations differ
     assert site.ledger.history == [(sigma, q, len(sizes))]
+
+
+def test_dp_alone_trains_with_the_recipe_and_fedpac_aligns_with_its_dp_weight():
+    """``dp = true`` alone brings the DP recipe (docs/RESULTS.md): the ScatterNet front end,
+    Poisson batches of 1,024 at step size 0.5 with momentum 0.9, and FedPAC's routine aligning
+    features with ``dp-lambda-align`` (0: not at all) instead of ``lambda-align``; without dp the
+    paper's CNN and alignment; each piece stays the user's to set."""
+    private, plain = parse_run_config({"dp": True}), parse_run_config({})
+    assert (private.extractor_front_end, plain.extractor_front_end) == ("scatternet", "none")
+    settings = privacy_settings(private)
+    assert settings is not None and (settings.batch_size, settings.step_size, settings.momentum) == (1024, 0.5, 0.9)
+    assert parse_run_config({"dp": True, "extractor-front-end": "none"}).extractor_front_end == "none"
+    centroids = {p.CENTROIDS: {p.CENTROID_VALUES: np.ones((10, 128), dtype=np.float32),
+                               p.CENTROID_MASK: np.ones(10, dtype=bool)}}
+    x, y = _data(40)
+
+    def align_loss(run_config: dict) -> float:
+        cfg = parse_run_config({"strategy": "fedpac", "local-epochs": 1, "batch-size": 20, **run_config})
+        torch.manual_seed(0)
+        model = FedPACNet(1, 28, 10, cfg.extractor_front_end)
+        inputs = model_inputs(x, cfg.extractor_front_end)
+        result = client_routine(METHODS["fedpac"]).local_update(
+            model, LocalData(inputs, y, inputs, y), Received(sections=centroids), cfg, torch.Generator().manual_seed(0))
+        return result.metrics["align-loss"]
+
+    assert align_loss({}) > 0 and align_loss({"dp": True, "dp-lambda-align": 1.0}) > 0
+    assert align_loss({"dp": True}) == 0.0  # the term is not even computed
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
@@ -619,7 +646,8 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path,
     the site) and grows from round to round; the round line's maximum is the largest of them, and
     the run's log ends with what each site spent."""
     config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1,
-              "batch-size": 20, "num-server-rounds": 2, "dp": True, "output-dir": str(tmp_path / "out")}
+              "batch-size": 20, "dp-batch-size": 20, "num-server-rounds": 2, "dp": True,
+              "output-dir": str(tmp_path / "out")}
     with caplog.at_level(logging.INFO, logger="flwr"):
         _, report = run_fedpac(cast(Grid, InProcessGrid(config, 3, node_config=_own_sites(tmp_path))),
                                parse_run_config(config), 1)
@@ -658,7 +686,7 @@ def test_a_run_with_a_target_epsilon_ends_within_1_percent_below_it(tmp_path, ca
     target would be passed) and no more (noise wasted)."""
     target, rounds, batch = 1.0, 3, 15
     config = {"strategy": "fedpac", "samples-per-client": 60, "test-samples-per-client": 20, "head-epochs": 1,
-              "local-epochs": 1, "batch-size": batch, "num-server-rounds": rounds, "dp": True,
+              "local-epochs": 1, "batch-size": batch, "dp-batch-size": batch, "num-server-rounds": rounds, "dp": True,
               "dp-target-epsilon": target, "output-dir": str(tmp_path / "out")}
     with caplog.at_level(logging.INFO):
         run_fedpac(cast(Grid, InProcessGrid(config, 2, node_config=_own_sites(tmp_path))), parse_run_config(config), 1)

@@ -29,7 +29,9 @@ from common.site_privacy import Entry, SiteLedger, SitePolicy, noise_seed, parse
 from federation import InProcessGrid
 from server_app.app import run_fedpac
 
-SMALL = {"samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1, "batch-size": 20}
+# DP-SGD's Poisson batches of 20 of a site's 60 records (the recipe's 1,024 would take them all)
+SMALL = {"samples-per-client": 60, "test-samples-per-client": 20, "local-epochs": 1, "batch-size": 20,
+         "dp-batch-size": 20}
 
 
 class RecordingGrid(InProcessGrid):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common import protocol as p
-from common.config import FedPACConfig
+from common.config import FedPACConfig, alignment_weight
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
 from common.methods.fedpac import FedPAC
 from common.methods.fedpac.statistics import feature_statistics
@@ -57,7 +57,7 @@ class Routine(ClientRoutine):
         alignment: AlignmentTerm | None = None
         if self.method.align and centroids is not None and mask is not None and bool(mask.any()):
             alignment = partial(alignment_loss, centroids=centroids, mask=mask)
-        train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, cfg.lambda_align,
+        train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, alignment_weight(cfg),
                                             with_head=cfg.head_with_extractor)
 
         statistics: p.NDArrays = {}
