@@ -53,6 +53,8 @@ RESERVED_KEYS = ("strategy", "seed", "num-server-rounds", "output-dir", "resume-
 # Config fields that differ between runs of one cell without changing what it computes: where
 # its files go, how long a round may wait.
 NOT_IDENTITY = ("output_dir", "resume_from", "save_model_every", "round_timeout")
+# The methods whose extractor steps align features to centroids with lambda-align.
+ALIGNING: tuple[str, ...] = tuple(name for name, method in METHODS.items() if method.alignment is Alignment.CENTROIDS)
 # Config fields added after cells were run, whose default does not compute what a run without
 # the field computed: that run's value, from its stored config (FedRep trained its body for
 # `local-epochs` epochs before `fedrep-body-epochs` existed).
@@ -66,8 +68,6 @@ _ADDED_WITH_OTHER_DEFAULT: dict[str, Callable[[dict[str, Any]], Any]] = {
     "dp_lambda_align": lambda c: (c.get("lambda_align", 1.0) if c.get("dp") and c.get("strategy") in ALIGNING
                                   else 0.0),
 }
-# the methods whose extractor steps align features to centroids with lambda-align
-ALIGNING = tuple(name for name, method in METHODS.items() if method.alignment is Alignment.CENTROIDS)
 
 
 def dp_only(config: dict[str, Any]) -> tuple[str, ...]:
