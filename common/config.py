@@ -541,6 +541,13 @@ def _apply_dataset(cfg: FedPACConfig) -> FedPACConfig:
                            "image_channels": channels})
 
 
+def dp_only_fields(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The DP settings (the ``dp_*`` fields) of a config, as ``asdict`` gives it, of a run without
+    DP: they compute nothing there, so runs without DP that differ only in them compute the same
+    (their defaults changed when the DP recipe became the default)."""
+    return () if config.get("dp") else tuple(name for name in config if name.startswith("dp_"))
+
+
 def alignment_weight(cfg: FedPACConfig) -> float:
     """FedPAC's feature-alignment weight lambda: ``dp-lambda-align`` with dp on, else
     ``lambda-align``."""

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, FedPACConfig, parse_run_config
+from common.config import ConfigError, FedPACConfig, dp_only_fields, parse_run_config
 from common.methods import METHODS
 from common.methods.base import Alignment
 
@@ -70,12 +70,6 @@ _ADDED_WITH_OTHER_DEFAULT: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
-def dp_only(config: dict[str, Any]) -> tuple[str, ...]:
-    """The DP settings (``dp-*``), where dp is off: they compute nothing then, so a run without DP
-    is the same computation whatever they say (their defaults changed when the DP recipe did)."""
-    return () if config.get("dp") else tuple(key for key in config if key.startswith("dp_"))
-
-
 def not_identity(config: dict[str, Any]) -> tuple[str, ...]:
     """:data:`NOT_IDENTITY`, and ``data-dir`` where it only says where the dataset lies: a grid
     moved to a machine that keeps its data in another folder still finds its cells. A Hugging
@@ -98,7 +92,7 @@ def same_computation(stored: dict[str, Any], current: dict[str, Any], ignore: tu
     defaults, current = json.loads(json.dumps(asdict(FedPACConfig()))), json.loads(json.dumps(current))
     stored, current = ({k: v for k, v in config.items() if not (k == "method_settings" and not v)}
                        for config in (stored, current))
-    skip = {*not_identity(current), *dp_only(current), *ignore}
+    skip = {*not_identity(current), *dp_only_fields(current), *ignore}
     for key, value in current.items():
         if key in skip:
             continue

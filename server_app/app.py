@@ -16,8 +16,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from common import protocol as p
-from common.config import (ConfigError, FedPACConfig, configured_method, dataset_defaults_note, parse_run_config,
-                           sites_keep_state)
+from common.config import (ConfigError, FedPACConfig, configured_method, dataset_defaults_note, dp_only_fields,
+                           parse_run_config, sites_keep_state)
 from common.drift import drift_fields_free
 from common.methods.server import server_part
 from common.model import FedPACNet, split_state
@@ -140,8 +140,10 @@ def config_differences(saved: dict, current: dict, completed_rounds: int) -> lis
     the rounds after ``completed_rounds`` (an older checkpoint without a saved config has none to
     compare). The drift may change while no label has changed yet under either drift: the
     checkpoint's rounds are then those of this run too (a recurrent or incremental drift run
-    continues a sudden one's first 100 rounds)."""
-    ignored = RESUMABLE_KEYS | set(drift_fields_free(saved, current, completed_rounds))
+    continues a sudden one's first 100 rounds). A run without DP ignores the DP settings, which
+    compute nothing there (a checkpoint saved before the DP recipe's defaults resumes)."""
+    ignored = (RESUMABLE_KEYS | set(drift_fields_free(saved, current, completed_rounds))
+               | set(dp_only_fields(current)))
     return [
         f"{FedPACConfig.key(name)}: {saved[name]!r} -> {current[name]!r}"
         for name in sorted(saved)

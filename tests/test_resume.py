@@ -129,9 +129,12 @@ def test_resume_refuses_a_config_that_changes_the_computation_and_lists_the_diff
                "resume-from": str(run_dir)}
     with pytest.raises(ConfigError, match=r"extractor-lr: 0\.01 -> 0\.02; lambda-align: 1\.0 -> 0\.5"):
         _run(changed, grid_seed=1)
-    # where and how long it runs may change: more rounds, another timeout
-    _, report = _run({**BASE, "num-server-rounds": 2, "round-timeout": 60.0, "output-dir": str(tmp_path / "c"),
-                      "resume-from": str(run_dir)}, grid_seed=1)
+    with pytest.raises(ConfigError, match=r"dp: False -> True"):
+        _run({**BASE, "dp": True, "output-dir": str(tmp_path / "b"), "resume-from": str(run_dir)}, grid_seed=1)
+    # where and how long it runs may change: more rounds, another timeout; and without DP the DP
+    # settings, which compute nothing there (a checkpoint from before the DP recipe's defaults)
+    _, report = _run({**BASE, "num-server-rounds": 2, "round-timeout": 60.0, "dp-batch-size": 0, "dp-step-size": 0.0,
+                      "dp-momentum": 0.0, "output-dir": str(tmp_path / "c"), "resume-from": str(run_dir)}, grid_seed=1)
     assert [r.round for r in report.rounds] == [1, 2]
 
 
