@@ -55,6 +55,13 @@ class ScatterNet(nn.Module):
         return self.transform(x.contiguous()).flatten(1, 2)
 
 
+def _known_front_end(front_end: str) -> str:
+    """``front_end``, or a ValueError that names the known ones."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"unknown extractor front end {front_end!r}; known: {', '.join(FRONT_ENDS)}")
+    return front_end
+
+
 def scattering_shape(in_channels: int, image_size: int) -> tuple[int, int, int]:
     """The shape of one image's scattering: (C * 81) x H/4 x W/4 (J = 2, 8 angles)."""
     angles = 8
@@ -68,10 +75,8 @@ def model_inputs(images: torch.Tensor, front_end: str, chunk: int = 1000) -> tor
     """What :class:`FedPACNet` reads: the normalized images themselves, or with the ScatterNet
     front end their scattering, computed here once for a site's whole split (``chunk`` images at
     a time, to bound the transform's memory)."""
-    if front_end == "none":
+    if _known_front_end(front_end) == "none":
         return images
-    if front_end not in FRONT_ENDS:
-        raise ValueError(f"unknown extractor front end {front_end!r}; known: {', '.join(FRONT_ENDS)}")
     scattering = ScatterNet(images.shape[-1]).to(images.device)
     if len(images) == 0:
         return images.new_zeros((0, *scattering_shape(images.shape[1], images.shape[-1])))
@@ -89,9 +94,7 @@ def _scatternet_extractor(in_channels: int, image_size: int) -> nn.Sequential:
 def _extractor(in_channels: int, image_size: int, front_end: str = "none") -> nn.Sequential:
     """The paper's extractor: 2 conv blocks for 28x28x1, 3 for 32x32x3, then fc -> d; or, behind
     the ScatterNet front end (:func:`model_inputs`), one fc layer."""
-    if front_end not in FRONT_ENDS:
-        raise ValueError(f"unknown extractor front end {front_end!r}; known: {', '.join(FRONT_ENDS)}")
-    if front_end == "scatternet":
+    if _known_front_end(front_end) == "scatternet":
         return _scatternet_extractor(in_channels, image_size)
     if (in_channels, image_size) == (1, 28):
         convs = _conv_block(1, 16, 5, 0) + _conv_block(16, 32, 5, 1)
