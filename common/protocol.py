@@ -87,6 +87,8 @@ EVAL_SECONDS = "eval-seconds"  # client-side compute of an evaluation
 # 1: the site evaluated and kept its metrics to itself (node config withhold-metrics)
 METRICS_WITHHELD = "metrics-withheld"
 V = "v"
+# FedPAC: E||noise of h||^2, which a site running DP adds to its h (0 without DP)
+H_NOISE = "h-noise"
 SERVER_ROUND = "server-round"
 EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries
 HAS_PERSONAL_HEAD = "has-personal-head"

@@ -24,6 +24,9 @@ class ClassFeatureSums:
     counts: torch.Tensor  # (K,) float64, n_ik
     sums: torch.Tensor  # (K, d) float64, sum of z over class-k samples
     sq_norm_sums: torch.Tensor  # (K,) float64, sum of ||z||^2 over class-k samples
+    # the standard deviation of the Gaussian noise on every entry of ``sums`` (0 without DP):
+    # public, the statistics' noise multiplier times the feature clip
+    sums_noise_std: float = 0.0
 
     @property
     def num_samples(self) -> int:
@@ -81,7 +84,8 @@ def class_feature_sums(
         return ClassFeatureSums(counts=privacy.private_counts(labels, num_classes, site),
                                 sums=privacy.gaussian(sums, clip, site),
                                 sq_norm_sums=privacy.gaussian(sq_norm_sums, clip * clip, site) if squares
-                                else sq_norm_sums)
+                                else sq_norm_sums,
+                                sums_noise_std=site.settings.statistics_noise_multiplier * clip)
     return ClassFeatureSums(counts=counts, sums=sums, sq_norm_sums=sq_norm_sums)
 
 

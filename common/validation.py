@@ -24,6 +24,17 @@ def metric(metrics, key: str) -> float:
     return float(value)
 
 
+def noise_metric(metrics, key: str) -> float:
+    """A reported noise variance: a finite number >= 0, and 0 where none is reported (no noise
+    is then taken off anything the client sent)."""
+    if key not in metrics:
+        return 0.0
+    value = metric(metrics, key)
+    if value < 0:
+        raise InvalidReply(f"metric '{key}' = {value} is negative")
+    return value
+
+
 def finite_as(value: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
     """``value`` in the model's ``dtype``, all finite there: checked after the cast, since a
     finite float64 (1e300) may overflow to Inf in float32."""

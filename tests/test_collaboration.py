@@ -9,6 +9,8 @@ from common.methods.fedpac.collaboration import (
     collaboration_matrix,
     collaboration_matrix_direct,
     collaboration_weights,
+    credible_noise,
+    debiased_gram,
     mix_heads,
     qp_objective,
     solve_simplex_qp,
@@ -295,3 +297,82 @@ def test_an_overflowed_diagonal_entry_counts_as_far_off():
     assert _far_off_rows(np.array([1.0, np.inf, 1.2, 0.9])) == [1]
     assert _far_off_rows(np.array([np.inf, np.inf])) == [0, 1]
     assert _far_off_rows(np.array([1.0, 1.1, 0.9])) == []
+
+
+# --- DP: the noise in the clients' h taken off the QPs' distances ---------------------------------
+
+
+def _noisy_pairs(noise_std=0.03, seed=0):
+    """Ten clients in five pairs with the same label mix (FedPAC's partition), 10 classes x 128
+    features as on Fashion-MNIST; h_j plus Gaussian noise of ``noise_std`` per entry, as a site
+    running DP uploads it (at epsilon 3 the noise is about 0.03 an entry, 1.2 in ||e||^2)."""
+    rng = np.random.default_rng(seed)
+    groups = rng.normal(scale=0.08, size=(5, 10, 128))  # ||h||^2 ~ 8, pairs ~16 apart
+    h = np.repeat(groups, 2, axis=0) + rng.normal(scale=0.002, size=(10, 10, 128))
+    noisy = h + rng.normal(scale=noise_std, size=h.shape)
+    v, n = np.full(10, 600.0), np.full(10, 6000.0)  # V / n = 0.1
+    return h, noisy, v, n, np.full(10, 10 * 128 * noise_std**2)
+
+
+def _mate_weight(alpha):
+    """The mean weight a client gives its pair-mate (clients 2g and 2g + 1)."""
+    return float(np.mean([alpha[i, i ^ 1] for i in range(len(alpha))]))
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_taking_the_reported_noise_off_the_distances_brings_back_the_noiseless_mix(solver):
+    """Noise in h makes every other client look s_i^2 + s_j^2 further away: the QPs then keep
+    each client's own head. With the noise taken off, pair-mates mix again as they do without
+    noise, and nobody mixes a client of another pair."""
+    h, noisy, v, n, noise = _noisy_pairs()
+    exact = collaboration_weights(h, v, n, solver=solver).alpha
+    blind = collaboration_weights(noisy, v, n, solver=solver).alpha
+    debiased = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
+    assert _mate_weight(exact) > 0.4
+    assert _mate_weight(blind) < 0.1
+    assert _mate_weight(debiased) > 0.3
+    others = debiased.copy()
+    for i in range(10):
+        others[i, i] = others[i, i ^ 1] = 0.0
+    assert others.max() < 0.05
+
+
+def test_the_debiased_gram_matrix_is_psd_and_unbiased():
+    h, noisy, _, _, noise = _noisy_pairs()
+    fixed = debiased_gram(gram_matrix(noisy), noise)
+    assert np.linalg.eigvalsh(fixed).min() > -1e-9
+    exact = gram_matrix(h)
+    bias = np.diag(gram_matrix(noisy) - exact).mean()  # ~ s^2 = 1.15
+    assert abs(np.mean(np.diag(fixed) - np.diag(exact))) < 0.1 * bias
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("factor", [1.5, 3.0, 1e3])
+def test_a_site_over_reporting_its_noise_moves_no_ones_mix(solver, factor):
+    """The attack: a hostile site claims more noise in its h than it added, so that the server
+    takes more off its distance to everyone and they mix more of its head. Its claim is believed
+    up to what a typical site's report makes credible at its n, and no further: every row comes
+    out as it does when the site tells the truth. Believed in full, the claim moves the rows."""
+    _, noisy, v, n, noise = _noisy_pairs()
+    hostile = 3
+    lie = noise.copy()
+    lie[hostile] *= factor
+    honest = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
+    np.testing.assert_allclose(collaboration_weights(noisy, v, n, solver=solver, h_noise=lie).alpha, honest,
+                               atol=1e-6)
+    believed = debiased_gram(gram_matrix(noisy), lie)
+    credulous = [sparsify(solve_simplex_qp(collaboration_matrix(believed, variance_terms(v, n), i)), 1e-3)
+                 for i in range(10)]
+    assert np.abs(np.array(credulous) - honest).max() > 0.01
+
+
+def test_credible_noise_scales_with_each_sites_n_and_caps_only_the_outlier():
+    n = np.array([1000.0, 2000.0, 4000.0, 1000.0, 2000.0])
+    truth = 50.0 / n**2  # one noise std of the sums at every site: s^2 ~ 1 / n^2
+    np.testing.assert_allclose(credible_noise(truth, n), truth)
+    lie = truth.copy()
+    lie[2] = 1e6
+    np.testing.assert_allclose(credible_noise(lie, n), truth)
+    less = truth.copy()
+    less[0] = 0.0  # a site without DP: nothing taken off
+    assert credible_noise(less, n)[0] == 0.0

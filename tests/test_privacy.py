@@ -28,6 +28,7 @@ from common.methods.client import LocalData, Received, SiteState, client_routine
 from common.model import FedPACNet, model_inputs
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
 from common.site_privacy import Entry, SiteLedger
+from common.methods.fedpac.statistics import feature_statistics
 from common.statistics import class_feature_sums, class_means
 from common.training import class_counts, sgd_epochs, train_extractor, train_head, train_joint
 from federation import InProcessGrid
@@ -371,6 +372,30 @@ def test_statistics_come_from_clipped_features_with_noise_of_the_mechanism_s_sca
         means = class_means(_Identity(), z, labels, k)
     assert site.ledger.history == [(sigma, 1.0, 4)]
     assert float((means.double() - exact.class_means()).abs().mean()) < 3 * sigma * clip / (n / k) ** 0.5
+
+
+def test_a_site_reports_the_noise_in_its_h_and_its_v_carries_none_of_it_on_average():
+    """What FedPAC's QP needs to take the noise off its distances (common.methods.fedpac.
+    collaboration): the reported E||h - noiseless h||^2 is the squared error of the noisy h
+    over many draws, and V (whose ||h||^2 term the noise inflates) is unbiased."""
+    g = torch.Generator().manual_seed(0)
+    n, k, d, clip, sigma = 600, 5, 64, 4.0, 6.0
+    z = torch.randn(n, d, generator=g) + torch.arange(n).remainder(k).unsqueeze(1).double().float()
+    labels = torch.arange(n) % k
+    exact = feature_statistics(class_feature_sums(_Identity(), privacy.clip_features(z.double(), clip), labels, k))
+    assert exact.h_noise == 0.0
+    errors, vs = [], []
+    settings = PrivacySettings(statistics_noise_multiplier=sigma, feature_clip=clip)
+    for seed in range(200):
+        with private_site(settings, seed):
+            noisy = feature_statistics(class_feature_sums(_Identity(), z, labels, k))
+        errors.append(float((noisy.h - exact.h).square().sum()))
+        vs.append(noisy.v)
+    assert noisy.h_noise == pytest.approx(k * d * (sigma * clip / n) ** 2)
+    assert np.mean(errors) == pytest.approx(noisy.h_noise, rel=0.05)
+    spread = np.std(vs) / len(vs) ** 0.5
+    assert abs(np.mean(vs) - exact.v) < 4 * spread
+    assert abs(np.mean(vs) - noisy.h_noise - exact.v) > 4 * spread  # the bias it would have
 
 
 def test_private_statistics_are_a_from_scratch_gaussian_mechanism_on_clipped_features():

@@ -406,6 +406,12 @@ ROWS: list[Row] = [
         applies=lambda m: traits(m).statistics),
     Row("a negative v", (TRAIN,), set_metric(p.V, -1.0), "V = -1.0 is negative",
         applies=lambda m: traits(m).statistics),
+    # the noise the server takes off h's Gram diagonal: a lie here is capped (test_collaboration),
+    # a malformed value rejected
+    Row("an infinite h-noise", (TRAIN,), set_metric(p.H_NOISE, float("inf")), "'h-noise' = inf is not a finite",
+        applies=lambda m: traits(m).statistics),
+    Row("a negative h-noise", (TRAIN,), set_metric(p.H_NOISE, -0.5), "'h-noise' = -0.5 is negative",
+        applies=lambda m: traits(m).statistics),
     # h finite in float32, its squares not: V's rounding scale must not become Inf
     Row("a negative v beside an h whose squares overflow float32", (TRAIN,),
         both(set_array(p.STATISTICS, p.H, lambda a: np.full(a.shape, 1e30, np.float32)), set_metric(p.V, -1e300)),

@@ -70,8 +70,9 @@ class Routine(ClientRoutine):
         if before is not None:
             statistics[p.H] = to_numpy(before.h.float())
             metrics[p.V] = before.v
+            metrics[p.H_NOISE] = before.h_noise
         metrics["head-loss"] = head_loss
         if self.method.align:
             metrics["align-loss"] = align
         return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics,
-                            for_server=(p.V,) if before is not None else ())
+                            for_server=(p.V, p.H_NOISE) if before is not None else ())
