@@ -24,7 +24,7 @@ from common import privacy
 from common import protocol as p
 from common.config import parse_run_config, privacy_settings
 from common.methods import METHODS
-from common.methods.client import LocalData, Received, SiteState, client_routine
+from common.methods.client import ClientResult, LocalData, Received, SiteState, client_routine
 from common.model import FedPACNet, model_inputs
 from common.privacy import Ledger, PrivacyBudgetSpent, PrivacySettings, private_site
 from common.site_privacy import Entry, SiteLedger
@@ -228,17 +228,27 @@ def test_dp_alone_trains_with_the_recipe_and_fedpac_aligns_with_its_dp_weight():
                                p.CENTROID_MASK: np.ones(10, dtype=bool)}}
     x, y = _data(40)
 
-    def align_loss(run_config: dict) -> float:
+    def update(run_config: dict) -> tuple[ClientResult, Ledger]:
         cfg = parse_run_config({"strategy": "fedpac", "local-epochs": 1, "batch-size": 20, **run_config})
         torch.manual_seed(0)
         model = FedPACNet(1, 28, 10, cfg.extractor_front_end)
         inputs = model_inputs(x, cfg.extractor_front_end)
-        result = client_routine(METHODS["fedpac"]).local_update(
-            model, LocalData(inputs, y, inputs, y), Received(sections=centroids), cfg, torch.Generator().manual_seed(0))
-        return result.metrics["align-loss"]
+        with private_site(PrivacySettings(batch_size=20, step_size=0.1), 0) as site:
+            result = client_routine(METHODS["fedpac"]).local_update(
+                model, LocalData(inputs, y, inputs, y), Received(sections=centroids), cfg,
+                torch.Generator().manual_seed(0))
+        return result, site.ledger
 
-    assert align_loss({}) > 0 and align_loss({"dp": True, "dp-lambda-align": 1.0}) > 0
-    assert align_loss({"dp": True}) == 0.0  # the term is not even computed
+    assert update({})[0].metrics["align-loss"] > 0
+    aligned, aligned_ledger = update({"dp": True, "dp-lambda-align": 1.0})
+    assert aligned.metrics["align-loss"] > 0 and p.CENTROID_VALUES in aligned.statistics
+    # at weight 0 the term is not even computed, and no centroid is released or charged
+    unaligned, unaligned_ledger = update({"dp": True})
+    assert "align-loss" not in unaligned.metrics and p.CENTROID_VALUES not in unaligned.statistics
+    def full_batch_releases(ledger: Ledger) -> int:
+        return sum(times for _, q, times in ledger.history if q == 1.0)
+
+    assert full_batch_releases(unaligned_ledger) == full_batch_releases(aligned_ledger) - 1
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
@@ -687,12 +697,12 @@ def test_every_method_reports_a_growing_epsilon_from_the_site_s_ledger(tmp_path,
     (spent,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Privacy spent")]
     assert "delta = 1e-05" in spent
     assert spent.endswith(", ".join(f"partition {pid} {epsilon:.3g}" for pid, epsilon in sorted(last.items())))
-    # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD, the statistics
-    # before training (counts, sums, squares) and the centroids after it (sums: the counts are
-    # the round's, and the squares, which only V needs, are not released)
+    # one round of FedPAC at a site: a head epoch and an extractor epoch of DP-SGD and the
+    # statistics before training (counts, sums, squares); no centroids after it: under DP FedPAC
+    # aligns with weight dp-lambda-align, 0 by default, and releases none
     settings = PrivacySettings()
     steps = privacy.steps_per_epoch(60, 20)
-    one_round = Ledger([(1.0, 20 / 60, 2 * steps), (settings.statistics_noise_multiplier, 1.0, 4)])
+    one_round = Ledger([(1.0, 20 / 60, 2 * steps), (settings.statistics_noise_multiplier, 1.0, 3)])
     assert by_round[1][0] == pytest.approx(one_round.epsilon(DELTA), rel=1e-9)
     assert by_round[2][0] == pytest.approx(one_round.repeated(2).epsilon(DELTA), rel=1e-9)
     assert p.DP_EPSILON == "dp-epsilon"
@@ -731,8 +741,9 @@ def test_a_run_with_a_target_epsilon_ends_within_1_percent_below_it(tmp_path, ca
         assert sigma_statistics == pytest.approx(10 * sigma, rel=1e-12)  # one factor on both (1 and 10)
         n = int(site[-1]["num_examples"])
         # a round of FedPAC: a head epoch and an extractor epoch of ceil(n / batch) Poisson-sampled
-        # steps each; counts, sums and squares before training and the centroids' sums after it
-        history = [(sigma, batch / n, rounds * 2 * math.ceil(n / batch)), (sigma_statistics, 1.0, rounds * 4)]
+        # steps each; counts, sums and squares before training (no centroids: FedPAC aligns with
+        # dp-lambda-align under DP, 0 by default)
+        history = [(sigma, batch / n, rounds * 2 * math.ceil(n / batch)), (sigma_statistics, 1.0, rounds * 3)]
         epsilon = _integrated_epsilon(history, DELTA)
         assert 0.99 * target <= epsilon <= target
         reported = float(site[-1]["dp_epsilon"])

@@ -25,3 +25,10 @@ class FedPAC(Method):
         object.__setattr__(self, "head", Rule.MIX if self.collaborate else Rule.LOCAL)
         object.__setattr__(self, "alignment", Alignment.CENTROIDS if self.align else Alignment.NONE)
         super().__post_init__()
+
+    def aligns_at(self, weight: float) -> bool:
+        """Whether a run with alignment weight ``weight`` (``common.config.alignment_weight``)
+        aligns features: the variant does, with a weight above 0. At weight 0 (FedPAC's default
+        under DP) no centroid travels, and a site running DP spends none of its budget on
+        centroids nobody would align to."""
+        return self.align and weight > 0

@@ -41,7 +41,8 @@ def alignment_loss(
 
 class Routine(ClientRoutine):
     """FedPAC's round: statistics, head epoch(s), extractor epochs, centroids. Statistics only
-    when the variant mixes heads; alignment and centroids only when it aligns."""
+    when the variant mixes heads; alignment and centroids only when it aligns with a weight
+    above 0 (``FedPAC.aligns_at``)."""
 
     method: FedPAC
 
@@ -49,22 +50,23 @@ class Routine(ClientRoutine):
                      generator: torch.Generator) -> ClientResult:
         x, y = data.x, data.y
         num_classes = model.num_classes
+        aligns = self.method.aligns_at(alignment_weight(cfg))
         before = None
         if self.method.collaborate:
             before = feature_statistics(class_feature_sums(model.extractor, x, y, num_classes))
         head_loss = train_head(model, x, y, cfg, generator)
         centroids, mask = alignment_targets(received.sections, x.device)
         alignment: AlignmentTerm | None = None
-        if self.method.align and centroids is not None and mask is not None and bool(mask.any()):
+        if aligns and centroids is not None and mask is not None and bool(mask.any()):
             alignment = partial(alignment_loss, centroids=centroids, mask=mask)
         train_loss, align = train_extractor(model, x, y, cfg, generator, alignment, alignment_weight(cfg),
                                             with_head=cfg.head_with_extractor)
 
         statistics: p.NDArrays = {}
-        if self.method.align:
+        if aligns:
             local_centroids = class_means(model.extractor, x, y, num_classes)
             statistics[p.CENTROID_VALUES] = to_numpy(local_centroids)
-        if self.method.align or self.method.collaborate:  # n_ik weight centroids and define h_i's p_ik
+        if aligns or self.method.collaborate:  # n_ik weight centroids and define h_i's p_ik
             statistics[p.CLASS_COUNTS] = to_numpy(class_counts(y, num_classes)).astype(np.int64)
         metrics: dict[str, float] = {}
         if before is not None:
@@ -72,7 +74,7 @@ class Routine(ClientRoutine):
             metrics[p.V] = before.v
             metrics[p.H_NOISE] = before.h_noise
         metrics["head-loss"] = head_loss
-        if self.method.align:
+        if aligns:
             metrics["align-loss"] = align
         return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics,
                             for_server=(p.V, p.H_NOISE) if before is not None else ())

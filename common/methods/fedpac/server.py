@@ -14,7 +14,7 @@ from flwr.supercore import log
 from common import protocol as p
 from common.methods.fedpac.centroids import aggregate_centroids
 from common.methods.fedpac.collaboration import collaboration_weights, mix_heads
-from common.config import FedPACConfig
+from common.config import FedPACConfig, alignment_weight
 from common.methods.fedpac import FedPAC
 from common.methods.fedpac.charts import alpha_chart, has_alpha
 from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
@@ -58,10 +58,11 @@ class Server(ServerPart):
     def __init__(self, method: FedPAC, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)
         self.num_classes, self.dim = head[p.HEAD_WEIGHT].shape
+        self.aligns = method.aligns_at(alignment_weight(cfg))
 
     def initial_state(self) -> ServerState:
         state = super().initial_state()
-        if self.method.align:  # no centroid before the first round: every class masked out
+        if self.aligns:  # no centroid before the first round: every class masked out
             state.shared[CENTROIDS] = {p.CENTROID_VALUES: np.zeros((self.num_classes, self.dim), dtype=np.float32),
                                        p.CENTROID_MASK: np.zeros(self.num_classes, dtype=bool)}
         return state
@@ -75,7 +76,7 @@ class Server(ServerPart):
 
     def train_sections(self, state: ServerState, partition_id: int | None) -> tuple[p.Sections, dict[str, Any]]:
         """The global centroids (feature alignment's targets) and their mask."""
-        if not self.method.align:
+        if not self.aligns:
             return {}, {}
         centroids = state.shared[CENTROIDS]
         return {p.CENTROIDS: {p.CENTROID_VALUES: centroids[p.CENTROID_VALUES],
@@ -84,9 +85,9 @@ class Server(ServerPart):
     def statistics_shapes(self) -> dict[str, tuple[int, ...]]:
         """Local centroids with alignment, h with collaboration, class counts with either."""
         shapes: dict[str, tuple[int, ...]] = {}
-        if self.method.align:
+        if self.aligns:
             shapes[p.CENTROID_VALUES] = (self.num_classes, self.dim)
-        if self.method.align or self.method.collaborate:
+        if self.aligns or self.method.collaborate:
             shapes[p.CLASS_COUNTS] = (self.num_classes,)
         if self.method.collaborate:
             shapes[p.H] = (self.num_classes, self.dim)
@@ -100,7 +101,7 @@ class Server(ServerPart):
         stats = update.statistics
         parsed: dict[str, Any] = {}
         dtype = self.head_template[p.HEAD_WEIGHT].dtype
-        if self.method.align:
+        if self.aligns:
             parsed["centroids"] = finite_as(stats[p.CENTROID_VALUES], dtype,
                                             f"statistics '{p.CENTROID_VALUES}'").astype(np.float64)
         h = finite_as(stats[p.H], dtype, f"statistics '{p.H}'") if self.method.collaborate else None
@@ -116,7 +117,7 @@ class Server(ServerPart):
         """Eq. 19, the collaboration QPs, eq. 18 and the head mixing, over ``updates`` in
         partition order (row i of alpha, h_i, V_i, n_i and head i all belong to the same client)."""
         result = StepResult()
-        if self.method.align:
+        if self.aligns:
             previous = state.shared[CENTROIDS]
             centroids, mask = aggregate_centroids(self.class_means(updates, server_round),
                                                   weighted_class_counts(updates, weights),
