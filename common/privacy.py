@@ -277,6 +277,20 @@ def sample_rate(num_samples: float, batch_size: int) -> float:
     return min(1.0, batch_size / num_samples)
 
 
+def variance_inflation(settings: PrivacySettings, batch_size: int, num_samples: int, num_params: int) -> float:
+    """How many times DP-SGD's noise inflates the variance of a model of ``num_params``
+    parameters trained on ``num_samples`` records: 1 + sigma^2 p / B, B the expected Poisson
+    batch (``settings.batch_size`` or the routine's ``batch_size``, at most n).
+
+    Each step adds N(0, (sigma C / B)^2) to every coordinate of the mean clipped gradient, while
+    the mean of B clipped gradients (norm at most C, spread over p coordinates) varies by at
+    most C^2 / (p B) a coordinate: the noise is at least sigma^2 p / B times the sampling's.
+    A model so trained is as good as one trained without noise on n / (1 + sigma^2 p / B)
+    records. Public: made of the site's settings and n alone."""
+    batch = min(settings.batch_size or batch_size, num_samples)
+    return 1.0 + settings.noise_multiplier**2 * num_params / batch
+
+
 def poisson_batch(num_samples: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """The indices of one Poisson sample: each record in it with probability ``rate``, on its own."""
     chosen = torch.rand(num_samples, generator=generator) < rate

@@ -89,6 +89,8 @@ METRICS_WITHHELD = "metrics-withheld"
 V = "v"
 # FedPAC: E||noise of h||^2, which a site running DP adds to its h (0 without DP)
 H_NOISE = "h-noise"
+# FedPAC: how many times DP-SGD's noise inflates the variance of a site's head (1 without DP)
+V_INFLATION = "v-inflation"
 SERVER_ROUND = "server-round"
 EVALUATE_ROUND = "evaluate-round"  # fused evaluation: the round whose model a train message carries
 HAS_PERSONAL_HEAD = "has-personal-head"

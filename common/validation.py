@@ -35,6 +35,16 @@ def noise_metric(metrics, key: str) -> float:
     return value
 
 
+def inflation_metric(metrics, key: str) -> float:
+    """A reported variance inflation: a finite number >= 1, and 1 where none is reported."""
+    if key not in metrics:
+        return 1.0
+    value = metric(metrics, key)
+    if value < 1:
+        raise InvalidReply(f"metric '{key}' = {value} is below 1")
+    return value
+
+
 def finite_as(value: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
     """``value`` in the model's ``dtype``, all finite there: checked after the cast, since a
     finite float64 (1e300) may overflow to Inf in float32."""

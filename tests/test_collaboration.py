@@ -9,6 +9,7 @@ from common.methods.fedpac.collaboration import (
     collaboration_matrix,
     collaboration_matrix_direct,
     collaboration_weights,
+    credible_inflation,
     credible_noise,
     debiased_gram,
     mix_heads,
@@ -376,3 +377,42 @@ def test_credible_noise_scales_with_each_sites_n_and_caps_only_the_outlier():
     less = truth.copy()
     less[0] = 0.0  # a site without DP: nothing taken off
     assert credible_noise(less, n)[0] == 0.0
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_heads_inflated_by_dp_sgd_mix_with_their_pair_as_without_noise(solver):
+    """A head trained with DP-SGD is as good as one trained on fewer records: with the variance
+    term inflated by each site's reported factor, pair-mates share their heads about evenly
+    again (the noiseless statistics' mix), where with V / n alone each keeps most of its own."""
+    h, noisy, v, n, noise = _noisy_pairs()
+    v = v / 20  # V / n = 0.005, as small against the debiased distances' noise as on Fashion-MNIST
+    plain = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
+    inflated = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=np.full(10, 18.0)).alpha
+    assert _mate_weight(plain) < 0.2
+    assert _mate_weight(inflated) > 0.3
+    assert _mate_weight(inflated) > _mate_weight(plain) + 0.15
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("claim", [1.0, 6.0])
+def test_a_site_claiming_less_dp_noise_than_the_others_moves_no_ones_mix(solver, claim):
+    """The attack: a hostile site claims its head is less noisy than the others' (a smaller
+    inflation), so that its variance term shrinks and the others mix more of its head. It is
+    believed no further than the median site: every row comes out as with the truth. Believed,
+    the claim moves the rows."""
+    _, noisy, v, n, noise = _noisy_pairs()
+    v = v / 20
+    honest_inflation = np.full(10, 18.0)
+    lie = honest_inflation.copy()
+    lie[3] = claim
+    honest = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=honest_inflation).alpha
+    lied = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=lie).alpha
+    np.testing.assert_allclose(lied, honest, atol=1e-6)
+    gram, variance = debiased_gram(gram_matrix(noisy), noise), variance_terms(v, n) * lie
+    credulous = np.array([sparsify(solve_simplex_qp(collaboration_matrix(gram, variance, i)), 1e-3) for i in range(10)])
+    assert credulous[2, 3] > honest[2, 3] + 0.05  # its pair-mate takes more of the hostile head
+
+
+def test_credible_inflation_raises_only_claims_below_the_median():
+    np.testing.assert_allclose(credible_inflation(np.array([18.0, 18.0, 1.0, 40.0, 18.0])), [18, 18, 18, 40, 18])
+    np.testing.assert_allclose(credible_inflation(np.ones(4)), np.ones(4))

@@ -408,6 +408,49 @@ def test_a_site_reports_the_noise_in_its_h_and_its_v_carries_none_of_it_on_avera
     assert abs(np.mean(vs) - noisy.h_noise - exact.v) > 4 * spread  # the bias it would have
 
 
+def test_dp_sgd_s_noise_outweighs_the_sampling_variance_by_the_reported_inflation():
+    """``variance_inflation``'s claim, measured: the variance of DP-SGD's mean clipped gradient
+    over Poisson batches (summed over a head's coordinates) is at most C^2 / B, and the noise's
+    is sigma^2 p / B times that bound. FedPAC's client reports the inflation with its statistics."""
+    g = torch.Generator().manual_seed(0)
+    n, d, k, batch, clip, sigma = 300, 8, 3, 20, 1.0, 2.0
+    head = nn.Linear(d, k)
+    x, y = torch.randn(n, d, generator=g) * 3, torch.randint(0, k, (n,), generator=g)
+    grads = []
+    for i in range(n):
+        head.zero_grad()
+        F.cross_entropy(head(x[i : i + 1]), y[i : i + 1]).backward()
+        flat = torch.cat([t.grad.flatten() for t in head.parameters()])
+        grads.append(flat * min(1.0, clip / float(flat.norm())))
+    clipped = torch.stack(grads).double()
+    means = torch.stack([clipped[torch.rand(n, generator=g) < batch / n].sum(0) / batch for _ in range(4000)])
+    sampling = float(means.var(dim=0).sum())
+    params = d * k + k
+    assert sampling <= clip**2 / batch
+    noise = params * (sigma * clip / batch) ** 2
+    settings = PrivacySettings(noise_multiplier=sigma, batch_size=batch)
+    inflation = privacy.variance_inflation(settings, 64, n, params)
+    assert inflation == pytest.approx(1 + sigma**2 * params / batch)
+    assert noise / sampling >= inflation - 1
+    # the routine's own batch where the recipe sets none, and never more than the records
+    assert privacy.variance_inflation(PrivacySettings(noise_multiplier=sigma), 50, n, params) == 1 + 4 * params / 50
+    assert privacy.variance_inflation(settings, 64, 10, params) == 1 + 4 * params / 10
+
+    cfg = parse_run_config({"strategy": "fedpac", "local-epochs": 1, "batch-size": 20, "dp": True})
+    images, labels = _data(40)
+    model = FedPACNet(1, 28, 10, cfg.extractor_front_end)
+    inputs = model_inputs(images, cfg.extractor_front_end)
+    with private_site(settings, 0):
+        result = client_routine(METHODS["fedpac"]).local_update(
+            model, LocalData(inputs, labels, inputs, labels), Received(), cfg, torch.Generator().manual_seed(0))
+    assert result.metrics[p.V_INFLATION] == pytest.approx(1 + sigma**2 * (10 * 128 + 10) / batch)
+    plain = parse_run_config({"strategy": "fedpac", "local-epochs": 1, "batch-size": 20})
+    model = FedPACNet(1, 28, 10)
+    result = client_routine(METHODS["fedpac"]).local_update(
+        model, LocalData(images, labels, images, labels), Received(), plain, torch.Generator().manual_seed(0))
+    assert result.metrics[p.V_INFLATION] == 1.0
+
+
 def test_private_statistics_are_a_from_scratch_gaussian_mechanism_on_clipped_features():
     """``class_feature_sums`` at a private site (in batches of 32) against the mechanism written
     out: each feature vector scaled down to norm C where longer, per-class counts, sums and sums

@@ -412,6 +412,10 @@ ROWS: list[Row] = [
         applies=lambda m: traits(m).statistics),
     Row("a negative h-noise", (TRAIN,), set_metric(p.H_NOISE, -0.5), "'h-noise' = -0.5 is negative",
         applies=lambda m: traits(m).statistics),
+    Row("a NaN v-inflation", (TRAIN,), set_metric(p.V_INFLATION, float("nan")), "'v-inflation' = nan is not a finite",
+        applies=lambda m: traits(m).statistics),
+    Row("a v-inflation below 1", (TRAIN,), set_metric(p.V_INFLATION, 0.5), "'v-inflation' = 0.5 is below 1",
+        applies=lambda m: traits(m).statistics),
     # h finite in float32, its squares not: V's rounding scale must not become Inf
     Row("a negative v beside an h whose squares overflow float32", (TRAIN,),
         both(set_array(p.STATISTICS, p.H, lambda a: np.full(a.shape, 1e30, np.float32)), set_metric(p.V, -1e300)),

@@ -303,7 +303,7 @@ def test_a_policy_in_the_node_config_is_checked():
 
 # what a private site's training reply may carry: its partition, n (public), its epsilon, and
 # what the method's server step reads (FedPAC's V, pFedVEM's rho and test accuracy)
-RELEASED = {p.PARTITION_ID, p.NUM_EXAMPLES, p.DP_EPSILON, p.V, p.H_NOISE, p.RHO, p.LOCAL_ACCURACY}
+RELEASED = {p.PARTITION_ID, p.NUM_EXAMPLES, p.DP_EPSILON, p.V, p.H_NOISE, p.V_INFLATION, p.RHO, p.LOCAL_ACCURACY}
 
 
 @pytest.mark.parametrize("method", sorted(name for name, m in METHODS.items() if not m.dp_refusal))

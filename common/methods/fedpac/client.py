@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from common import privacy
 from common import protocol as p
 from common.config import FedPACConfig, alignment_weight
 from common.methods.client import ClientResult, ClientRoutine, LocalData, Received
@@ -37,6 +38,16 @@ def alignment_loss(
     aligned = mask[labels].to(features.dtype)
     per_sample = (features - targets).square().mean(dim=1)
     return (per_sample * aligned).sum() / len(labels)
+
+
+def head_variance_inflation(model: FedPACNet, cfg: FedPACConfig, num_samples: int) -> float:
+    """How many times this site's DP-SGD inflates the variance of its head (1 without DP): the
+    collaboration QP weighs the head as if trained on that many times fewer records."""
+    site = privacy.active()
+    if site is None:
+        return 1.0
+    return privacy.variance_inflation(site.settings, cfg.batch_size, num_samples,
+                                      sum(t.numel() for t in model.head.parameters()))
 
 
 class Routine(ClientRoutine):
@@ -73,8 +84,9 @@ class Routine(ClientRoutine):
             statistics[p.H] = to_numpy(before.h.float())
             metrics[p.V] = before.v
             metrics[p.H_NOISE] = before.h_noise
+            metrics[p.V_INFLATION] = head_variance_inflation(model, cfg, len(y))
         metrics["head-loss"] = head_loss
         if aligns:
             metrics["align-loss"] = align
         return ClientResult(num_examples=len(y), train_loss=train_loss, statistics=statistics, metrics=metrics,
-                            for_server=(p.V, p.H_NOISE) if before is not None else ())
+                            for_server=(p.V, p.H_NOISE, p.V_INFLATION) if before is not None else ())

@@ -14,6 +14,11 @@ s_j^2 too large. On Fashion-MNIST at epsilon 3 that is 2.4, far above any V_j / 
 client keeps its own head. The QPs therefore use G~ - diag(s^2), projected on the PSD cone
 (:func:`debiased_gram`), with each client's s_j^2 at most what a typical client's report makes
 credible at its n_j (:func:`credible_noise`): over-reporting would pull a site towards everyone.
+
+DP-SGD also makes each head noisier than its n_j records alone would: the variance term V_j / n_j
+is taken times the inflation the site reports (``common.privacy.variance_inflation``), at least
+the median site's (:func:`credible_inflation`): the QPs then weigh a head as if trained on that
+many times fewer records, and mix alike sites' heads, whose noise averages out.
 The default solver handles all clients at once (``common.methods.fedpac.simplex_qp``); cvxpy is the reference
 and the fallback. Pure numpy + cvxpy; nothing here knows about Flower.
 """
@@ -86,6 +91,15 @@ def credible_noise(reported: np.ndarray, n: np.ndarray) -> np.ndarray:
     n = np.asarray(n, dtype=np.float64)
     typical = float(np.median(reported * n * n))
     return np.minimum(reported, typical / (n * n))
+
+
+def credible_inflation(reported: np.ndarray) -> np.ndarray:
+    """Each client's variance inflation as the QPs take it: its report, at least the median
+    report. The smaller a client's variance term, the more of its head the others mix: a site
+    that claims less DP noise than it added is believed no further than the median site, and
+    one that truly adds more (a stricter policy, budget spent before) is believed."""
+    reported = np.asarray(reported, dtype=np.float64)
+    return np.maximum(reported, float(np.median(reported)))
 
 
 def debiased_gram(gram: np.ndarray, noise: np.ndarray) -> np.ndarray:
@@ -167,12 +181,14 @@ def collaboration_weights(
     threshold: float = 1e-3,
     solver: str = "vectorized",
     h_noise: np.ndarray | None = None,
+    v_inflation: np.ndarray | None = None,
 ) -> CollaborationResult:
     """Solve every client's QP; row i of the result is alpha_i.
 
     ``h_noise``: each client's reported E||noise of h_j||^2 (DP), taken off the Gram matrix
     within what is credible (:func:`credible_noise`, :func:`debiased_gram`); None or all zero:
-    the statistics are exact.
+    the statistics are exact. ``v_inflation``: each client's reported variance inflation of its
+    head under DP-SGD (:func:`credible_inflation`); None: 1 for all.
 
     ``solver="vectorized"`` solves all rows together (``common.methods.fedpac.simplex_qp``) and hands any row
     it cannot certify to cvxpy; ``solver="cvxpy"`` solves row by row with cvxpy (the reference).
@@ -184,16 +200,19 @@ def collaboration_weights(
     # large problems on an idle machine gain from more (docs/PERFORMANCE.md,
     # bench/server_aggregation.py --busy).
     with threadpool_limits(limits=solver_blas_threads(len(h)), user_api="blas"):
-        return _collaboration_weights(h, v, n, threshold, solver, h_noise)
+        return _collaboration_weights(h, v, n, threshold, solver, h_noise, v_inflation)
 
 
 def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshold: float,
-                           solver: str, h_noise: np.ndarray | None) -> CollaborationResult:
+                           solver: str, h_noise: np.ndarray | None,
+                           v_inflation: np.ndarray | None) -> CollaborationResult:
     m = len(h)
     gram = gram_matrix(h)
     if h_noise is not None and np.any(h_noise) and np.isfinite(gram).all():
         gram = debiased_gram(gram, credible_noise(h_noise, n))
     variance = variance_terms(v, n)
+    if v_inflation is not None:
+        variance = variance * credible_inflation(v_inflation)
     alpha = np.zeros((m, m))
     status = ["cvxpy"] * m
     if solver == "vectorized" and np.isfinite(gram).all() and np.isfinite(variance).all():

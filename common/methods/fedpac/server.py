@@ -21,7 +21,7 @@ from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, Ro
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.robust import agreeing_mix, stacked_updates
 from common.methods.fedpac.simplex_qp import FAR_DIAGONAL
-from common.validation import class_counts, finite_as, metric, noise_metric, variance_metric
+from common.validation import class_counts, finite_as, inflation_metric, metric, noise_metric, variance_metric
 
 CENTROIDS = "centroids"  # the state's section: the global class centroids and their mask
 
@@ -42,7 +42,8 @@ def solver_status(record: RoundData, partition_id: int) -> str:
 OUTPUTS = Outputs(
     round_columns=(RoundColumn("qp_fallbacks", qp_fallbacks),
                    RoundColumn("centroid_classes", lambda r: r.method.get("centroid_classes", 0))),
-    client_columns=(reply_metric("v", p.V), reply_metric("h_noise", p.H_NOISE), reply_metric("head_loss", "head-loss"),
+    client_columns=(reply_metric("v", p.V), reply_metric("h_noise", p.H_NOISE),
+                    reply_metric("v_inflation", p.V_INFLATION), reply_metric("head_loss", "head-loss"),
                     reply_metric("align_loss", "align-loss"), ClientColumn("solver_status", solver_status)),
     charts=(Chart("alpha.png", alpha_chart, has_alpha),),
     log=lambda r: f" | QP fallbacks {qp_fallbacks(r)}",
@@ -97,7 +98,8 @@ class Server(ServerPart):
         """Centroids and h in the model's dtype, all finite there (the server's averages of them
         are cast to it, and a float64 value that is finite but overflows it would make every
         client's targets Inf); class counts that sum to n_i; V >= 0 up to rounding; the noise in h
-        finite and >= 0 (0 where a client reports none)."""
+        finite and >= 0 (0 where a client reports none), the head's variance inflation finite and
+        >= 1 (1 where none)."""
         stats = update.statistics
         parsed: dict[str, Any] = {}
         dtype = self.head_template[p.HEAD_WEIGHT].dtype
@@ -111,6 +113,7 @@ class Server(ServerPart):
             parsed["v"] = variance_metric(metric(update.metrics, p.V), h)
             parsed["h"] = h.astype(np.float64)
             parsed["h_noise"] = noise_metric(update.metrics, p.H_NOISE)
+            parsed["v_inflation"] = inflation_metric(update.metrics, p.V_INFLATION)
         return dataclasses.replace(update, parsed=parsed)
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
@@ -135,7 +138,8 @@ class Server(ServerPart):
             collaboration = collaboration_weights(np.stack([u.parsed["h"] for u in updates]),
                                                   np.array([u.parsed["v"] for u in updates]), weights,
                                                   self.cfg.alpha_threshold, self.cfg.qp_solver,
-                                                  np.array([u.parsed["h_noise"] for u in updates]))
+                                                  np.array([u.parsed["h_noise"] for u in updates]),
+                                                  np.array([u.parsed["v_inflation"] for u in updates]))
         state.shared[EXTRACTOR] = self.average([u.extractor for u in updates], weights)
         if collaboration is not None:  # without it each head stays at its site (Rule.LOCAL)
             alpha = self.agreeing(state, updates, collaboration.alpha, server_round)
