@@ -285,7 +285,7 @@ def variance_inflation(settings: PrivacySettings, batch_size: int, num_samples: 
     Each step adds N(0, (sigma C / B)^2) to every coordinate of the mean clipped gradient, while
     the mean of B clipped gradients (norm at most C, spread over p coordinates) varies by at
     most C^2 / (p B) a coordinate: the noise is at least sigma^2 p / B times the sampling's.
-    A model so trained is as good as one trained without noise on n / (1 + sigma^2 p / B)
+    A model so trained is worth at most one trained without noise on n / (1 + sigma^2 p / B)
     records. Public: made of the site's settings and n alone."""
     batch = min(settings.batch_size or batch_size, num_samples)
     return 1.0 + settings.noise_multiplier**2 * num_params / batch
