@@ -24,24 +24,14 @@ def metric(metrics, key: str) -> float:
     return float(value)
 
 
-def noise_metric(metrics, key: str) -> float:
-    """A reported noise variance: a finite number >= 0, and 0 where none is reported (no noise
-    is then taken off anything the client sent)."""
+def metric_at_least(metrics, key: str, minimum: float, default: float) -> float:
+    """An optional reported number: finite and >= ``minimum``, ``default`` where none is
+    reported (FedPAC's noise in h, at least 0, and its heads' variance inflation, at least 1)."""
     if key not in metrics:
-        return 0.0
+        return default
     value = metric(metrics, key)
-    if value < 0:
-        raise InvalidReply(f"metric '{key}' = {value} is negative")
-    return value
-
-
-def inflation_metric(metrics, key: str) -> float:
-    """A reported variance inflation: a finite number >= 1, and 1 where none is reported."""
-    if key not in metrics:
-        return 1.0
-    value = metric(metrics, key)
-    if value < 1:
-        raise InvalidReply(f"metric '{key}' = {value} is below 1")
+    if value < minimum:
+        raise InvalidReply(f"metric '{key}' = {value} is below {minimum:g}")
     return value
 
 

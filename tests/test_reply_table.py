@@ -410,7 +410,7 @@ ROWS: list[Row] = [
     # a malformed value rejected
     Row("an infinite h-noise", (TRAIN,), set_metric(p.H_NOISE, float("inf")), "'h-noise' = inf is not a finite",
         applies=lambda m: traits(m).statistics),
-    Row("a negative h-noise", (TRAIN,), set_metric(p.H_NOISE, -0.5), "'h-noise' = -0.5 is negative",
+    Row("a negative h-noise", (TRAIN,), set_metric(p.H_NOISE, -0.5), "'h-noise' = -0.5 is below 0",
         applies=lambda m: traits(m).statistics),
     Row("a NaN v-inflation", (TRAIN,), set_metric(p.V_INFLATION, float("nan")), "'v-inflation' = nan is not a finite",
         applies=lambda m: traits(m).statistics),

@@ -21,7 +21,7 @@ from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, Ro
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update, weighted_class_counts
 from common.robust import agreeing_mix, stacked_updates
 from common.methods.fedpac.simplex_qp import FAR_DIAGONAL
-from common.validation import class_counts, finite_as, inflation_metric, metric, noise_metric, variance_metric
+from common.validation import class_counts, finite_as, metric, metric_at_least, variance_metric
 
 CENTROIDS = "centroids"  # the state's section: the global class centroids and their mask
 
@@ -112,8 +112,8 @@ class Server(ServerPart):
         if h is not None:
             parsed["v"] = variance_metric(metric(update.metrics, p.V), h)
             parsed["h"] = h.astype(np.float64)
-            parsed["h_noise"] = noise_metric(update.metrics, p.H_NOISE)
-            parsed["v_inflation"] = inflation_metric(update.metrics, p.V_INFLATION)
+            parsed["h_noise"] = metric_at_least(update.metrics, p.H_NOISE, 0.0, default=0.0)
+            parsed["v_inflation"] = metric_at_least(update.metrics, p.V_INFLATION, 1.0, default=1.0)
         return dataclasses.replace(update, parsed=parsed)
 
     def step(self, state: ServerState, updates: list[Update], weights: np.ndarray, server_round: int) -> StepResult:
