@@ -76,7 +76,8 @@ def fedpac_round(data: dict, threshold: float = 0.0) -> tuple[ServerPart, list[U
     updates = [
         Update(partition_id=i, extractor=extractor, head=head, num_examples=int(n[i]), metrics={},
                parsed={"centroids": data["local_centroids"][i], "class_counts": data["class_counts"][i],
-                       "h": data["h"][i], "v": float(data["v"][i])})
+                       "h": data["h"][i], "v": float(data["v"][i]),
+                       "h_noise": 0.0, "v_inflation": 1.0})  # no DP: exact statistics
         for i, (extractor, head) in enumerate(zip(data["extractors"], data["heads"]))
     ]
     return server, updates, np.asarray(n, dtype=np.float64)

@@ -282,9 +282,10 @@ def variance_inflation(settings: PrivacySettings, batch_size: int, num_samples: 
     parameters trained on ``num_samples`` records: 1 + sigma^2 p / B, B the expected Poisson
     batch (``settings.batch_size`` or the routine's ``batch_size``, at most n).
 
-    Each step adds N(0, (sigma C / B)^2) to every coordinate of the mean clipped gradient, while
-    the mean of B clipped gradients (norm at most C, spread over p coordinates) varies by at
-    most C^2 / (p B) a coordinate: the noise is at least sigma^2 p / B times the sampling's.
+    Each step adds N(0, (sigma C / B)^2) to every coordinate of the mean clipped gradient, p
+    sigma^2 C^2 / B^2 in all, while the mean of B clipped gradients (each of norm at most C)
+    varies by at most C^2 / B summed over its p coordinates: the noise is at least
+    sigma^2 p / B times the sampling's.
     A model so trained is worth at most one trained without noise on n / (1 + sigma^2 p / B)
     records. Public: made of the site's settings and n alone."""
     batch = min(settings.batch_size or batch_size, num_samples)

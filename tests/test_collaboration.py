@@ -5,10 +5,16 @@ import itertools
 import numpy as np
 import pytest
 
+from common import protocol
+from common.config import FedPACConfig
+from common.methods import METHODS
+from common.methods.server import Update, server_part
+
 from common.methods.fedpac.collaboration import (
     collaboration_matrix,
     collaboration_matrix_direct,
     collaboration_weights,
+    PrivateStatistics,
     credible_inflation,
     credible_noise,
     debiased_gram,
@@ -315,6 +321,14 @@ def _noisy_pairs(noise_std=0.03, seed=0):
     return h, noisy, v, n, np.full(10, 10 * 128 * noise_std**2)
 
 
+def _private(noise, n, inflation=None, entries=10 * 128):
+    """The DP reports of ``len(noise)`` sites with every class present (10 x 128 noisy entries)."""
+    m = len(noise)
+    return PrivateStatistics(h_noise=np.asarray(noise, dtype=float), entries=np.full(m, entries),
+                             records=np.asarray(n, dtype=float),
+                             v_inflation=np.ones(m) if inflation is None else np.asarray(inflation, dtype=float))
+
+
 def _mate_weight(alpha):
     """The mean weight a client gives its pair-mate (clients 2g and 2g + 1)."""
     return float(np.mean([alpha[i, i ^ 1] for i in range(len(alpha))]))
@@ -328,7 +342,7 @@ def test_taking_the_reported_noise_off_the_distances_brings_back_the_noiseless_m
     h, noisy, v, n, noise = _noisy_pairs()
     exact = collaboration_weights(h, v, n, solver=solver).alpha
     blind = collaboration_weights(noisy, v, n, solver=solver).alpha
-    debiased = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
+    debiased = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n)).alpha
     assert _mate_weight(exact) > 0.4
     assert _mate_weight(blind) < 0.1
     assert _mate_weight(debiased) > 0.3
@@ -358,25 +372,29 @@ def test_a_site_over_reporting_its_noise_moves_no_ones_mix(solver, factor):
     hostile = 3
     lie = noise.copy()
     lie[hostile] *= factor
-    honest = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
-    np.testing.assert_allclose(collaboration_weights(noisy, v, n, solver=solver, h_noise=lie).alpha, honest,
-                               atol=1e-6)
+    honest = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n)).alpha
+    lied = collaboration_weights(noisy, v, n, solver=solver, private=_private(lie, n)).alpha
+    np.testing.assert_allclose(lied, honest, atol=1e-6)
     believed = debiased_gram(gram_matrix(noisy), lie)
     credulous = [sparsify(solve_simplex_qp(collaboration_matrix(believed, variance_terms(v, n), i)), 1e-3)
                  for i in range(10)]
     assert np.abs(np.array(credulous) - honest).max() > 0.01
 
 
-def test_credible_noise_scales_with_each_sites_n_and_caps_only_the_outlier():
+def test_credible_noise_scales_with_each_sites_n_and_entries_and_caps_only_the_outlier():
     n = np.array([1000.0, 2000.0, 4000.0, 1000.0, 2000.0])
-    truth = 50.0 / n**2  # one noise std of the sums at every site: s^2 ~ 1 / n^2
-    np.testing.assert_allclose(credible_noise(truth, n), truth)
+    entries = np.array([1280, 1280, 1152, 1280, 896])  # 10, 10, 9, 10 and 7 classes present
+    truth = entries * (50.0 / n) ** 2  # one noise std of the sums at every site
+    np.testing.assert_allclose(credible_noise(_private(truth, n, entries=entries)), truth)
     lie = truth.copy()
     lie[2] = 1e6
-    np.testing.assert_allclose(credible_noise(lie, n), truth)
+    np.testing.assert_allclose(credible_noise(_private(lie, n, entries=entries)), truth)
     less = truth.copy()
     less[0] = 0.0  # a site without DP: nothing taken off
-    assert credible_noise(less, n)[0] == 0.0
+    assert credible_noise(_private(less, n, entries=entries))[0] == 0.0
+    huge = truth.copy()
+    huge[1] = 1e308  # its bound overflows: capped all the same, with no NaN
+    assert np.isfinite(credible_noise(_private(huge, n, entries=entries))).all()
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
@@ -386,8 +404,8 @@ def test_heads_inflated_by_dp_sgd_mix_with_their_pair_as_without_noise(solver):
     again (the noiseless statistics' mix), where with V / n alone each keeps most of its own."""
     h, noisy, v, n, noise = _noisy_pairs()
     v = v / 20  # V / n = 0.005, as small against the debiased distances' noise as on Fashion-MNIST
-    plain = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise).alpha
-    inflated = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=np.full(10, 18.0)).alpha
+    plain = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n)).alpha
+    inflated = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n, np.full(10, 18.0))).alpha
     assert _mate_weight(plain) < 0.2
     assert _mate_weight(inflated) > 0.3
     assert _mate_weight(inflated) > _mate_weight(plain) + 0.15
@@ -405,8 +423,8 @@ def test_a_site_claiming_less_dp_noise_than_the_others_moves_no_ones_mix(solver,
     honest_inflation = np.full(10, 18.0)
     lie = honest_inflation.copy()
     lie[3] = claim
-    honest = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=honest_inflation).alpha
-    lied = collaboration_weights(noisy, v, n, solver=solver, h_noise=noise, v_inflation=lie).alpha
+    honest = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n, honest_inflation)).alpha
+    lied = collaboration_weights(noisy, v, n, solver=solver, private=_private(noise, n, lie)).alpha
     np.testing.assert_allclose(lied, honest, atol=1e-6)
     gram, variance = debiased_gram(gram_matrix(noisy), noise), variance_terms(v, n) * lie
     credulous = np.array([sparsify(solve_simplex_qp(collaboration_matrix(gram, variance, i)), 1e-3) for i in range(10)])
@@ -416,3 +434,32 @@ def test_a_site_claiming_less_dp_noise_than_the_others_moves_no_ones_mix(solver,
 def test_credible_inflation_raises_only_claims_below_the_median():
     np.testing.assert_allclose(credible_inflation(np.array([18.0, 18.0, 1.0, 40.0, 18.0])), [18, 18, 18, 40, 18])
     np.testing.assert_allclose(credible_inflation(np.ones(4)), np.ones(4))
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_one_of_two_sites_cannot_move_the_bound_on_its_reports(solver):
+    """With two sites the median of their reports is the mean, which one of them sets alone: the
+    bounds take the lower median, the smaller of the two. A hostile site reporting huge noise in
+    its h, or a huge inflation for the other's sake, leaves both rows as with the truth."""
+    _, noisy, v, n, noise = _noisy_pairs()
+    pair, v2, n2 = noisy[:2], v[:2] / 20, n[:2]
+    honest = collaboration_weights(pair, v2, n2, solver=solver, private=_private(noise[:2], n2, [18.0, 18.0])).alpha
+    for lie_noise, lie_inflation in (([noise[0] * 1e3, noise[1]], [18.0, 18.0]), (noise[:2], [1e12, 18.0])):
+        lied = collaboration_weights(pair, v2, n2, solver=solver,
+                                     private=_private(lie_noise, n2, lie_inflation)).alpha
+        assert lied[1, 0] <= honest[1, 0] + 1e-6  # the honest site takes no more of the hostile head
+    np.testing.assert_allclose(credible_inflation(np.array([1e12, 18.0])), [1e12, 18.0])
+
+
+def test_the_server_bounds_each_sites_noise_by_its_own_records_and_classes():
+    """The server's reports record: each site's true n (not its capped aggregation weight) and
+    the entries of its h that carry noise, d for every class with a count above 0."""
+    head = {protocol.HEAD_WEIGHT: np.zeros((3, 4), np.float32), protocol.HEAD_BIAS: np.zeros(3, np.float32)}
+    server = server_part(METHODS["fedpac"], FedPACConfig(), {}, head)
+    counts = [np.array([3.0, 0.0, 5.0]), np.array([1.0, 1.0, 1.0])]
+    updates = [Update(partition_id=i, num_examples=float(c.sum()) * 100, extractor={}, head={}, statistics={},
+                      metrics={}, parsed={"h_noise": 0.5, "v_inflation": 2.0, "class_counts": c})
+               for i, c in enumerate(counts)]
+    private = server.private_statistics(updates)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(private.entries, [8, 12])
+    np.testing.assert_array_equal(private.records, [800.0, 300.0])

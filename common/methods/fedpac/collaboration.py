@@ -13,11 +13,11 @@ norm s_j^2, and E[G~] = G + diag(s^2): each squared distance ||h_i - h_j||^2 com
 s_j^2 too large. On Fashion-MNIST at epsilon 3 that is 2.4, far above any V_j / n_j, and every
 client keeps its own head. The QPs therefore use G~ - diag(s^2), projected on the PSD cone
 (:func:`debiased_gram`), with each client's s_j^2 at most what a typical client's report makes
-credible at its n_j (:func:`credible_noise`): over-reporting would pull a site towards everyone.
+credible (:func:`credible_noise`): over-reporting would pull a site towards everyone.
 
 DP-SGD also makes each head noisier than its n_j records alone would: the variance term V_j / n_j
 is taken times the inflation the site reports (``common.privacy.variance_inflation``), at least
-the median site's (:func:`credible_inflation`): the QPs then weigh a head as if trained on that
+the lower median site's (:func:`credible_inflation`): the QPs then weigh a head as if trained on that
 many times fewer records, and mix alike sites' heads, whose noise averages out.
 The default solver handles all clients at once (``common.methods.fedpac.simplex_qp``); cvxpy is the reference
 and the fallback. Pure numpy + cvxpy; nothing here knows about Flower.
@@ -76,30 +76,54 @@ def gram_matrix(h: np.ndarray) -> np.ndarray:
     return flat @ flat.T
 
 
-def credible_noise(reported: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """The noise s_j^2 taken off client j's Gram diagonal: its report, at most the median of the
-    clients' s_k^2 n_k^2 over n_j^2.
+@dataclass(frozen=True)
+class PrivateStatistics:
+    """What the sites running DP report beside their statistics, one entry per client in row
+    order (``collaboration_weights``)."""
 
-    A site's noise per entry of h is its statistics' noise std over n_j, so s_j^2 n_j^2 is the
-    same for every site that calibrated to the run's epsilon from a fresh ledger. A site that
-    reports more than the median of that is not believed past it: the more noise the server
-    takes off a client's diagonal, the closer it looks to every other client, and the more of
-    its head they mix. A site that truly adds more noise (it spent budget before) is then taken
-    to be further from the others than it is, which costs it collaboration, and nobody else.
+    h_noise: np.ndarray  # E||noise of h_j||^2 (0: exact statistics)
+    entries: np.ndarray  # the entries of h_j that carry noise: classes with a count above 0, x d
+    records: np.ndarray  # n_j, the site's training records: h_j is its noisy class sums over n_j
+    v_inflation: np.ndarray  # how many times DP-SGD inflates the variance of head j (1: none)
+
+
+def lower_median(values: np.ndarray) -> float:
+    """The middle value, the lower of the two middle ones for an even count: with two clients
+    the smaller, which neither can raise on its own (the mean of the two, any one can)."""
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    return float(ordered[(len(ordered) - 1) // 2])
+
+
+def credible_noise(private: PrivateStatistics) -> np.ndarray:
+    """The noise s_j^2 taken off client j's Gram diagonal: its report, at most what the lower
+    median client's noise per entry of the sums makes of j's entries and n_j.
+
+    s_j^2 = entries_j (sigma_j / n_j)^2, sigma_j the std of the noise on each entry of the
+    site's class sums: its statistics' noise multiplier times the feature clip, the same for
+    every site of a run up to the calibration to a target epsilon, which varies it a little with
+    n_j and with what the site spent before. A site that reports a larger sigma than the lower
+    median's is not believed past it: the more noise the server takes off a client's diagonal,
+    the closer it looks to every other client, and the more of its head they mix. A site that
+    truly adds more noise is then taken to be further from the others than it is, which costs
+    it collaboration, and nobody else.
     """
-    reported = np.asarray(reported, dtype=np.float64)
-    n = np.asarray(n, dtype=np.float64)
-    typical = float(np.median(reported * n * n))
-    return np.minimum(reported, typical / (n * n))
+    reported = np.asarray(private.h_noise, dtype=np.float64)
+    entries = np.asarray(private.entries, dtype=np.float64)
+    scale = np.asarray(private.records, dtype=np.float64) ** 2
+    noisy = entries > 0  # a client with no noisy entry has exact statistics
+    with np.errstate(over="ignore"):  # a report near the float64 maximum: its bound is Inf, and stays out
+        sigma2 = np.where(noisy, reported * scale / np.where(noisy, entries, 1.0), 0.0)
+        bound = lower_median(sigma2) * entries / scale
+    return np.where(noisy, np.minimum(reported, bound), 0.0)
 
 
 def credible_inflation(reported: np.ndarray) -> np.ndarray:
-    """Each client's variance inflation as the QPs take it: its report, at least the median
-    report. The smaller a client's variance term, the more of its head the others mix: a site
-    that claims less DP noise than it added is believed no further than the median site, and
-    one that truly adds more (a stricter policy, budget spent before) is believed."""
+    """Each client's variance inflation as the QPs take it: its report, at least the lower
+    median report. The smaller a client's variance term, the more of its head the others mix: a
+    site that claims less DP noise than it added is believed no further than the lower median
+    site, and one that truly adds more (a stricter policy, budget spent before) is believed."""
     reported = np.asarray(reported, dtype=np.float64)
-    return np.maximum(reported, float(np.median(reported)))
+    return np.maximum(reported, lower_median(reported))
 
 
 def debiased_gram(gram: np.ndarray, noise: np.ndarray) -> np.ndarray:
@@ -180,15 +204,14 @@ def collaboration_weights(
     n: np.ndarray,
     threshold: float = 1e-3,
     solver: str = "vectorized",
-    h_noise: np.ndarray | None = None,
-    v_inflation: np.ndarray | None = None,
+    private: PrivateStatistics | None = None,
 ) -> CollaborationResult:
     """Solve every client's QP; row i of the result is alpha_i.
 
-    ``h_noise``: each client's reported E||noise of h_j||^2 (DP), taken off the Gram matrix
-    within what is credible (:func:`credible_noise`, :func:`debiased_gram`); None or all zero:
-    the statistics are exact. ``v_inflation``: each client's reported variance inflation of its
-    head under DP-SGD (:func:`credible_inflation`); None: 1 for all.
+    ``private``: what sites running DP report; each h_j's noise is taken off the Gram matrix
+    within what is credible (:func:`credible_noise`, :func:`debiased_gram`), and each V_j / n_j
+    multiplied by its head's variance inflation (:func:`credible_inflation`). None: the
+    statistics are exact and the heads trained without noise.
 
     ``solver="vectorized"`` solves all rows together (``common.methods.fedpac.simplex_qp``) and hands any row
     it cannot certify to cvxpy; ``solver="cvxpy"`` solves row by row with cvxpy (the reference).
@@ -200,19 +223,18 @@ def collaboration_weights(
     # large problems on an idle machine gain from more (docs/PERFORMANCE.md,
     # bench/server_aggregation.py --busy).
     with threadpool_limits(limits=solver_blas_threads(len(h)), user_api="blas"):
-        return _collaboration_weights(h, v, n, threshold, solver, h_noise, v_inflation)
+        return _collaboration_weights(h, v, n, threshold, solver, private)
 
 
 def _collaboration_weights(h: np.ndarray, v: np.ndarray, n: np.ndarray, threshold: float,
-                           solver: str, h_noise: np.ndarray | None,
-                           v_inflation: np.ndarray | None) -> CollaborationResult:
+                           solver: str, private: PrivateStatistics | None) -> CollaborationResult:
     m = len(h)
     gram = gram_matrix(h)
-    if h_noise is not None and np.any(h_noise) and np.isfinite(gram).all():
-        gram = debiased_gram(gram, credible_noise(h_noise, n))
+    if private is not None and np.any(private.h_noise) and np.isfinite(gram).all():
+        gram = debiased_gram(gram, credible_noise(private))
     variance = variance_terms(v, n)
-    if v_inflation is not None:
-        variance = variance * credible_inflation(v_inflation)
+    if private is not None:
+        variance = variance * credible_inflation(private.v_inflation)
     alpha = np.zeros((m, m))
     status = ["cvxpy"] * m
     if solver == "vectorized" and np.isfinite(gram).all() and np.isfinite(variance).all():

@@ -13,7 +13,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.methods.fedpac.centroids import aggregate_centroids
-from common.methods.fedpac.collaboration import collaboration_weights, mix_heads
+from common.methods.fedpac.collaboration import PrivateStatistics, collaboration_weights, mix_heads
 from common.config import FedPACConfig, alignment_weight
 from common.methods.fedpac import FedPAC
 from common.methods.fedpac.charts import alpha_chart, has_alpha
@@ -138,8 +138,7 @@ class Server(ServerPart):
             collaboration = collaboration_weights(np.stack([u.parsed["h"] for u in updates]),
                                                   np.array([u.parsed["v"] for u in updates]), weights,
                                                   self.cfg.alpha_threshold, self.cfg.qp_solver,
-                                                  np.array([u.parsed["h_noise"] for u in updates]),
-                                                  np.array([u.parsed["v_inflation"] for u in updates]))
+                                                  self.private_statistics(updates))
         state.shared[EXTRACTOR] = self.average([u.extractor for u in updates], weights)
         if collaboration is not None:  # without it each head stays at its site (Rule.LOCAL)
             alpha = self.agreeing(state, updates, collaboration.alpha, server_round)
@@ -153,6 +152,15 @@ class Server(ServerPart):
                     "typical client's; no other client mixes their heads. Diverged, or not honest?", server_round,
                     [updates[i].partition_id for i in collaboration.far_off], FAR_DIAGONAL)
         return result
+
+    def private_statistics(self, updates: list[Update]) -> PrivateStatistics:
+        """What the sites reported of their DP noise, with the entries of each h that carry it
+        (d for every class with a count above 0) and each site's own n."""
+        return PrivateStatistics(
+            h_noise=np.array([u.parsed["h_noise"] for u in updates]),
+            entries=np.array([self.dim * int(np.count_nonzero(u.parsed["class_counts"])) for u in updates]),
+            records=np.array([u.num_examples for u in updates], dtype=np.float64),
+            v_inflation=np.array([u.parsed["v_inflation"] for u in updates]))
 
     def agreeing(self, state: ServerState, updates: list[Update], alpha: np.ndarray, server_round: int) -> np.ndarray:
         """The QP's mixing weights less, with ``agreeing-heads``, the heads whose update points
