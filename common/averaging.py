@@ -1,6 +1,6 @@
 """Sample-weighted averaging (FedAvg's rule, FedPAC eq. 18), the cap on the sample counts a
-client claims, and the median of the other clients' values that the caps and bounds on one
-client's influence are relative to: the building blocks every method's server step averages
+client claims, and the medians (of the other clients' values; the lower one of all) that the
+caps and bounds on one client's influence are relative to: the building blocks every method's server step averages
 with. Pure numpy."""
 
 from __future__ import annotations
@@ -75,3 +75,10 @@ def median_of_others(values: np.ndarray) -> np.ndarray:
     if low == high:
         return others_at(low)
     return others_at(low) / 2 + others_at(high) / 2
+
+
+def lower_median(values: np.ndarray) -> float:
+    """The middle value, the lower of the two middle ones for an even count: with two clients
+    the smaller, which neither can raise on its own (the mean of the two, any one can)."""
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    return float(ordered[(len(ordered) - 1) // 2])

@@ -24,12 +24,15 @@ def metric(metrics, key: str) -> float:
     return float(value)
 
 
+def optional_metric(metrics, key: str, default: float) -> float:
+    """A finite number where the client sent ``key``, ``default`` where it did not."""
+    return metric(metrics, key) if key in metrics else default
+
+
 def metric_at_least(metrics, key: str, minimum: float, default: float) -> float:
     """An optional reported number: finite and >= ``minimum``, ``default`` where none is
     reported (FedPAC's noise in h, at least 0, and its heads' variance inflation, at least 1)."""
-    if key not in metrics:
-        return default
-    value = metric(metrics, key)
+    value = optional_metric(metrics, key, default)
     if value < minimum:
         raise InvalidReply(f"metric '{key}' = {value} is below {minimum:g}")
     return value

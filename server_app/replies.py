@@ -12,7 +12,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from common import protocol as p
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, Update
 from common.model import part_of
-from common.validation import InvalidReply, finite_as, metric, sample_count
+from common.validation import InvalidReply, finite_as, metric, optional_metric, sample_count
 
 
 def destinations(messages: Iterable[Message]) -> dict[str, int]:
@@ -113,10 +113,6 @@ def _section(sections: p.Sections, name: str) -> p.NDArrays:
     if name not in sections:
         raise InvalidReply(f"missing section '{name}' in record '{p.ARRAYS}'")
     return sections[name]
-
-
-def _optional_metric(metrics, key: str, default: float) -> float:
-    return metric(metrics, key) if key in metrics else default
 
 
 def _partition_id(metrics, num_partitions: int | None) -> int:
@@ -253,7 +249,7 @@ def parse_evaluate_reply(msg: Message, num_partitions: int | None = None) -> Cli
 
 
 def _seconds(metrics) -> float:
-    seconds = _optional_metric(metrics, p.EVAL_SECONDS, 0.0)
+    seconds = optional_metric(metrics, p.EVAL_SECONDS, 0.0)
     if seconds < 0:
         raise InvalidReply(f"{p.EVAL_SECONDS} = {seconds} is negative")
     return seconds

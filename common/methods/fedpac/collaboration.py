@@ -32,6 +32,7 @@ import cvxpy as cp
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from common.averaging import lower_median
 from common.cpu import others_running
 from common.methods.fedpac.simplex_qp import far_off_scale, problem_scale, solve_simplex_qps
 
@@ -85,13 +86,6 @@ class PrivateStatistics:
     entries: np.ndarray  # the entries of h_j that carry noise: classes with a count above 0, x d
     records: np.ndarray  # n_j, the site's training records: h_j is its noisy class sums over n_j
     v_inflation: np.ndarray  # how many times DP-SGD inflates the variance of head j (1: none)
-
-
-def lower_median(values: np.ndarray) -> float:
-    """The middle value, the lower of the two middle ones for an even count: with two clients
-    the smaller, which neither can raise on its own (the mean of the two, any one can)."""
-    ordered = np.sort(np.asarray(values, dtype=np.float64))
-    return float(ordered[(len(ordered) - 1) // 2])
 
 
 def credible_noise(private: PrivateStatistics) -> np.ndarray:
