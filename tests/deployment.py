@@ -66,6 +66,38 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one of its descendants (Linux: /proc)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            return False
+    return False
+
+
+def stop_groups(*processes: subprocess.Popen, grace: float = 20) -> None:
+    """End the process groups ``processes`` lead, side by side: SIGTERM (after SIGCONT, for a
+    stopped one), then SIGKILL for a group whose leader has not exited ``grace`` seconds later
+    (a slow exit on a loaded host is not what any test here is about)."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGCONT)
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def create_certificates(directory: Path, num_nodes: int, *sans: str, site_keys: bool = True) -> Path:
     """The operator's CA and SuperLink certificate, and ``num_nodes`` SuperNode key pairs in
     ``directory/keys``: made as each site makes its own (``certs.sh site-key``) unless
@@ -273,20 +305,7 @@ class Federation(Workstation):
         raise RuntimeError(f"the SuperLink has no SuperExec:\n{self.read_log('superlink')[-3000:]}")
 
     def close(self) -> None:
-        processes = [*self.supernodes.values(), self.superlink]
-        for process in processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGCONT)
-                    os.killpg(process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_groups(*self.supernodes.values(), self.superlink)
 
 
 def run_dir(out: Path) -> Path:

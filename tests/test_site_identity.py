@@ -45,8 +45,10 @@ from tests.deployment import (
     Federation,
     Workstation,
     create_certificates,
+    descends_from,
     rounds_of,
     run_dir,
+    stop_groups,
     wait_for_rounds,
 )
 from tests.prerequisites import require_linux
@@ -173,9 +175,11 @@ def test_enrolled_rogue_nodes_claiming_site_0_get_nothing_and_change_nothing(fed
 
 class PeakMemory:
     """The largest peak resident memory (VmHWM) of any ServerApp process (``flwr-serverapp``)
-    seen while the block runs, read from /proc twice a second."""
+    under process ``ancestor`` (a SuperLink) seen while the block runs, read from /proc twice a
+    second. Only that SuperLink's: a test on the other pytest worker may run ServerApps too."""
 
-    def __init__(self) -> None:
+    def __init__(self, ancestor: int) -> None:
+        self.ancestor = ancestor
         self.peak_kib = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -192,7 +196,8 @@ class PeakMemory:
         while not self._done.wait(0.5):
             for proc in Path("/proc").iterdir():
                 try:
-                    if proc.name.isdigit() and b"flwr-serverapp" in (proc / "cmdline").read_bytes():
+                    if (proc.name.isdigit() and b"flwr-serverapp" in (proc / "cmdline").read_bytes()
+                            and descends_from(int(proc.name), self.ancestor)):
                         status = (proc / "status").read_text()
                         self.peak_kib = max(self.peak_kib, int(status.split("VmHWM:")[1].split()[0]))
                 except (OSError, IndexError, ValueError):  # gone meanwhile, or a kernel thread
@@ -211,7 +216,7 @@ def test_an_oversize_reply_is_refused_where_it_enters_and_never_reaches_the_serv
             federation.padding_flag.write_text(str(padding))
         out = tmp_path / ("hostile" if hostile else "honest")
         try:
-            with PeakMemory() as memory:
+            with PeakMemory(federation.superlink.pid) as memory:
                 # the refused reply never comes: the round waits round-timeout for it
                 run_id = _run(federation, out, 1, "min-available-clients=2 round-timeout=40")
                 assert federation.wait(run_id) == "finished:completed", federation.log(run_id)[-3000:]
@@ -289,8 +294,7 @@ def test_the_control_api_listens_on_this_host_only_by_default(tmp_path):
         assert listening.get(9093) == {"127.0.0.1"}, listening
         assert listening.get(9092, set()) & {"0.0.0.0", "::"}, listening
     finally:
-        subprocess.run(["pkill", "-TERM", "-g", str(superlink.pid)], check=False)
-        superlink.wait(timeout=30)
+        stop_groups(superlink)
 
 
 def _listening_addresses() -> dict[int, set[str]]:
