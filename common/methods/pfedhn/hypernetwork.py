@@ -127,10 +127,11 @@ def generate(network: HyperNetwork, phi: Mapping[str, np.ndarray], embedding: np
 
 def gradient(network: HyperNetwork, phi: Mapping[str, np.ndarray], embedding: np.ndarray,
              trained: Mapping[str, np.ndarray]) -> Arrays:
-    """The gradient of phi and v_i (key :data:`EMBEDDING`) from one client's round: -Delta theta_i
-    = theta_i - theta~_i backpropagated through theta_i = h(v_i; phi), the (phi, v_i) that
-    generated the model the client trained into ``trained`` (theta~_i). A step against it moves
-    the generated model towards the trained one."""
+    """The gradient of phi and v_i (key :data:`EMBEDDING`) from one client's round: theta_i -
+    theta~_i backpropagated through theta_i = h(v_i; phi), the gradient of (1/2) ||theta_i -
+    theta~_i||^2 (``trained`` is theta~_i). At the (phi, v_i) that generated the model the client
+    trained, theta_i - theta~_i is -Delta theta_i, the authors' rule. A step against it moves the
+    generated model towards the trained one."""
     params = {key: value.requires_grad_() for key, value in _tensors(phi).items()}
     v = torch.tensor(np.asarray(embedding), requires_grad=True)
     theta = functional_call(network, params, (v,))
