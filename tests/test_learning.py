@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 from client_app.app import _generator, client_tensors
 from common import protocol as p
 from common.config import FedPACConfig, configured_method, parse_run_config
-from common.methods import METHODS, Alignment
+from common.methods import METHODS, Alignment, Rule
 from common import site_state
 from common.methods.pfedhn import PFedHN
 from common.methods.client import SITE_PARTS, LocalData, Received, SiteState, client_routine
@@ -308,12 +308,16 @@ def test_a_short_federation_ends_well_above_guessing_and_above_its_first_round(n
     guessing = max(1 / num_classes, float(np.mean(list(majority.values()))))
     summary = f"accuracy by round {[round(float(np.mean(list(a.values()))), 3) for a in fed.accuracy]}, " \
               f"guessing {guessing:.3f}, untrained {np.mean(list(untrained.values())):.3f}"
-    if isinstance(METHODS[name], PFedHN):
+    method = METHODS[name]
+    if isinstance(method, PFedHN):
         # A hypernetwork at a step that does not swing learns slower than a model trained in place:
-        # these 3 rounds take pFedHN from 0.07 to 0.27 (0.58 after 8), pFedHN-PC from 0.59 to 0.67.
-        # That it goes on learning is test_pfedhn's (five rounds) and Table 1's (200) to show.
+        # these 3 rounds take pFedHN from 0.07 to 0.27 (0.58 after 8), pFedHN-PC, whose heads stay
+        # at the sites, from 0.59 to 0.67. Here they show the direction; that pFedHN goes on
+        # learning is test_pfedhn's (five rounds) and Table 1's (200) to show.
         assert final >= float(np.mean(list(first.values()))) + 0.05, summary
         assert final >= float(np.mean(list(untrained.values()))) + 0.2, summary
+        if method.head is Rule.LOCAL:
+            assert final >= 2 * guessing, summary
         return
     assert final >= 2 * guessing, summary
     assert all(last[pid] >= majority[pid] + 0.2 for pid in last), (summary, last, majority)

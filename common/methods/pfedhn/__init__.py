@@ -6,8 +6,9 @@ client, and sends client i the model theta_i = h(v_i; phi) it generates for it.
   whole model at the baselines' step size ``extractor-lr``: the FedPAC paper's client step 0.01)
   and sends back theta~_i.
 * **Server.** For each reply, the chain rule: the gradient of (phi, v_i) is (d theta_i / d (phi,
-  v_i))^T (theta_i - theta~_i), -Delta theta_i backpropagated through h at the phi and v_i that
-  generated theta_i (``hypernetwork.gradient``); one step of the authors' optimizer per reply
+  v_i))^T (theta_i - theta~_i), theta_i = h(v_i; phi) at the phi of that step (for the round's
+  first step, the one that generated the model: -Delta theta_i backpropagated through h;
+  ``hypernetwork.gradient``); one step of the authors' optimizer per reply
   (SGD at ``pfedhn-server-lr``, the FedPAC paper's 0.01, momentum 0.9, weight decay 1e-3, the
   gradient clipped to norm 50: ``hypernetwork.sgd_step``).
 * **Hypernetwork.** The authors' ``CNNHyper``: an MLP from the embedding (``pfedhn-embedding-dim``)

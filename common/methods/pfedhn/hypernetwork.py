@@ -13,7 +13,9 @@ the arrays given (``torch.func.functional_call``).
 
 The update (the paper's Algorithm 1): a client trains the generated theta_i = h(v_i; phi) into
 theta~_i; the gradient of phi and v_i is the chain rule's, (d theta_i / d (phi, v_i))^T
-(theta_i - theta~_i), i.e. -Delta theta_i backpropagated through h (:func:`gradient`); the step is
+(theta_i - theta~_i) (:func:`gradient`), at the (phi, v_i) that generated theta_i -Delta theta_i
+backpropagated through h (the server takes the round's later steps at the phi they start from:
+``server.Server.step``); the step is
 the authors' optimizer, SGD with momentum 0.9 and weight decay 1e-3 on the gradient clipped to a
 total norm of 50 (:func:`sgd_step`).
 """
