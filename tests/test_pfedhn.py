@@ -118,7 +118,10 @@ def _replies(server: Server, state, pids: list[int], rng: np.random.Generator, s
 
 
 def _close(a: np.ndarray, b: np.ndarray | torch.Tensor) -> None:
-    np.testing.assert_allclose(a, np.asarray(b.detach() if isinstance(b, torch.Tensor) else b), rtol=1e-5, atol=1e-6)
+    # rtol 1e-4: two float32 implementations (functional_call against nn.Linear layers, on any
+    # thread count) differ in the last bits of theta_i, and a round's later steps take their
+    # gradient from theta_i - theta~_i, a difference of nearby numbers (1.1e-6 apart at most here)
+    np.testing.assert_allclose(a, np.asarray(b.detach() if isinstance(b, torch.Tensor) else b), rtol=1e-4, atol=1e-5)
 
 
 def test_two_rounds_of_the_server_step_are_the_chain_rule_through_the_hypernetwork_with_the_authors_sgd():
