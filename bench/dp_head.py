@@ -99,10 +99,6 @@ def statistics_head(model, x: torch.Tensor, y: torch.Tensor) -> None:  # noqa: A
         model.head.bias.copy_((-means.square().sum(1) / (2 * variance) + prior.log()).float())
 
 
-def clipped(features: torch.Tensor) -> torch.Tensor:
-    return features * (FEATURE_CLIP / features.norm(dim=1, keepdim=True).clamp(min=1e-12)).clamp(max=1.0)
-
-
 def site_accuracy(model, head_of: str, sigma: float | None, site: tuple[torch.Tensor, ...], pid: int, cfg) -> float:  # noqa: ANN001
     x, y, x_test, y_test = site
     settings = privacy.PrivacySettings(noise_multiplier=sigma or 0.0, statistics_noise_multiplier=10 * (sigma or 0.0),
@@ -121,7 +117,7 @@ def site_accuracy(model, head_of: str, sigma: float | None, site: tuple[torch.Te
     with torch.no_grad():
         features = model.extractor.eval()(x_test)
     if head_of == "statistics" and sigma is not None:  # the sums it was made of were of clipped features
-        features = clipped(features)
+        features = privacy.clip_features(features, FEATURE_CLIP)
     return evaluate_head(model.head, features, y_test)[1]
 
 

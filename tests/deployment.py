@@ -66,13 +66,19 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def parent_of(pid: int) -> int:
+    """Process ``pid``'s parent (Linux: /proc; the name in stat may hold spaces and parentheses,
+    so the fields are read after its last ')'). OSError when it has ended."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def descends_from(pid: int, ancestor: int) -> bool:
     """Whether process ``pid`` is ``ancestor`` or one of its descendants (Linux: /proc)."""
     while pid > 1:
         if pid == ancestor:
             return True
         try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            pid = parent_of(pid)
         except (OSError, IndexError, ValueError):  # ended meanwhile
             return False
     return False
@@ -293,15 +299,15 @@ class Federation(Workstation):
     def kill_superexec(self) -> int:
         """SIGKILL the SuperExec the SuperLink started (the process that launches each run's
         ServerApp), as a crash would end it; returns its pid."""
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for proc in Path("/proc").glob("[0-9]*"):
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                command = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                parent = parent_of(int(proc.name))
+                command = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:  # a process that ended meanwhile
                 continue
-            if int(fields[1]) == self.superlink.pid and any(b"flower-superexec" in part for part in command):
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-                return int(stat.parent.name)
+            if parent == self.superlink.pid and any(b"flower-superexec" in part for part in command):
+                os.kill(int(proc.name), signal.SIGKILL)
+                return int(proc.name)
         raise RuntimeError(f"the SuperLink has no SuperExec:\n{self.read_log('superlink')[-3000:]}")
 
     def close(self) -> None:
