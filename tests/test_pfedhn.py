@@ -6,6 +6,7 @@ yet; the settings; the state through a checkpoint; and a short federation that l
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import cast
 
@@ -30,6 +31,7 @@ from common.methods.pfedhn.server import (
 )
 from common.methods.server import EXTRACTOR, HEAD, Update, server_part
 from common.model import FedPACNet, split_state
+from benches import load_bench
 from federation import InProcessGrid
 from server_app.app import initial_model, run_fedpac
 from server_app.checkpoint import load_checkpoint
@@ -338,3 +340,11 @@ def test_a_short_federation_learns_and_its_state_survives_a_checkpoint(tmp_path)
         assert any(key.startswith(f"{HYPERNETWORK}/") for key in final.files)
         assert "client-1/embedding/embedding" in final.files
         assert not [key for key in final.files if "momentum" in key]
+
+    # bench/pfedhn_checkpoint.py reads the run where it stopped: its generated models are those
+    # the run's last evaluation measured, and it continues the run with the server's own step
+    load_bench("pfedhn_checkpoint").main([str(run_dir), "--rounds", "1", "--server-lr", "0.01",
+                                          "--out", str(tmp_path / "bench")])
+    rows = json.loads((tmp_path / "bench" / "pfedhn_checkpoint.json").read_text())["rows"]
+    assert [(row["server_lr"], row["completed_rounds"]) for row in rows] == [("", 5), (0.01, 6)]
+    assert rows[0]["generated_accuracy"] == pytest.approx(100 * last, abs=0.006)
