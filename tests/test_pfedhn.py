@@ -5,6 +5,7 @@ yet; the settings; the state through a checkpoint; and a short federation that l
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -31,6 +32,7 @@ from common.methods.pfedhn.server import (
 )
 from common.methods.server import EXTRACTOR, HEAD, Update, server_part
 from common.model import FedPACNet, split_state
+from common.validation import InvalidReply
 from benches import load_bench
 from federation import InProcessGrid
 from server_app.app import initial_model, run_fedpac
@@ -268,11 +270,27 @@ def test_the_local_update_is_plain_sgd_on_the_received_model_at_the_client_step(
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
     assert not torch.equal(model.state_dict()["head.weight"], received["head.weight"])
-    assert result.num_examples == 30 and not result.statistics and not result.metrics
+    assert result.num_examples == 30 and not result.statistics
+    # and the trained model's accuracy on the site's test split (under DP the one metric sent)
+    reference.eval()
+    with torch.no_grad():
+        accuracy = float((reference(data.x_test).argmax(1) == data.y_test).float().mean())
+    assert result.metrics["local-accuracy"] == pytest.approx(accuracy) and result.for_server == ("local-accuracy",)
     assert result.train_loss == pytest.approx(sum(losses) / (cfg.local_epochs * len(data.y)), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- settings
+
+
+def test_a_reply_must_carry_its_trained_models_accuracy_in_0_1():
+    extractor, head = split_state({k: v.numpy() for k, v in initial_model(CFG).state_dict().items()})
+    server = server_part(configured_method(CFG), CFG, extractor, head)
+    reply = Update(0, extractor, head, 10, {"local-accuracy": 0.75})
+    assert server.check(reply) == reply
+    for metrics, message in [({}, "missing metric 'local-accuracy'"), ({"local-accuracy": 1.5}, r"outside \[0, 1\]"),
+                             ({"local-accuracy": float("nan")}, "not a finite number")]:
+        with pytest.raises(InvalidReply, match=message):
+            server.check(dataclasses.replace(reply, metrics=metrics))
 
 
 def test_the_registered_methods_and_their_settings():
@@ -340,6 +358,13 @@ def test_a_short_federation_learns_and_its_state_survives_a_checkpoint(tmp_path)
         assert any(key.startswith(f"{HYPERNETWORK}/") for key in final.files)
         assert "client-1/embedding/embedding" in final.files
         assert not [key for key in final.files if "momentum" in key]
+
+    # beside the generated models' accuracy, each round the models after the local update
+    with (run_dir / "rounds.csv").open() as stream:
+        rounds_csv = list(csv.DictReader(stream))
+    local = [float(row["mean_local_accuracy"]) for row in rounds_csv]
+    assert len(local) == 5 and all(0.0 <= value <= 1.0 for value in local)
+    assert local == pytest.approx([np.mean([m["local-accuracy"] for m in r.train.values()]) for r in report.rounds])
 
     # bench/pfedhn_checkpoint.py reads the run where it stopped: its generated models are those
     # the run's last evaluation measured, and it continues the run with the server's own step

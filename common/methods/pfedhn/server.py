@@ -24,8 +24,10 @@ from common.methods.pfedhn.hypernetwork import (
     size,
     skeleton,
 )
+from common.methods.outputs import Outputs, RoundColumn, RoundData, mean_reply_metric, reply_metric
 from common.methods.server import ServerPart, ServerState, StepResult, Update
 from common.model import part_of
+from common.validation import InvalidReply, metric
 
 # Sections of the state: phi and its momentum buffers (one for the federation), each client's
 # embedding and its momentum buffer (by partition-id; arrays under EMBEDDING).
@@ -35,11 +37,24 @@ EMBEDDINGS = "embedding"
 EMBEDDING_MOMENTUM = "embedding-momentum"
 
 
+def mean_local_accuracy(record: RoundData) -> object:
+    """The unweighted mean accuracy of the clients' models after their local update."""
+    return mean_reply_metric(record, p.LOCAL_ACCURACY)
+
+
+def _log(record: RoundData) -> str:
+    local = mean_local_accuracy(record)
+    return f" | after the local update {100 * local:.2f}%" if isinstance(local, float) else ""
+
+
 class Server(ServerPart):
     """pFedHN's server part. ``shared`` also holds the extractor (and head) generated for a node
     bound to no partition, refreshed after every step: the glue's global model."""
 
     method: PFedHN
+    # Beside the generated models' accuracy (the run's), the clients' models after their local update
+    outputs = Outputs(round_columns=(RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True),),
+                      client_columns=(reply_metric("local_accuracy", p.LOCAL_ACCURACY),), log=_log)
 
     def __init__(self, method: PFedHN, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)
@@ -74,6 +89,13 @@ class Server(ServerPart):
         model = self.model_for(state, None)
         for part in self.method.shared_parts:
             state.shared[part] = {key: value for key, value in model.items() if part_of(key) == part}
+
+    def check(self, update: Update) -> Update:
+        """The trained model's accuracy in [0, 1]."""
+        local = metric(update.metrics, p.LOCAL_ACCURACY)
+        if not 0.0 <= local <= 1.0:
+            raise InvalidReply(f"local accuracy {local} outside [0, 1]")
+        return update
 
     # ------------------------------------------------------------------ what travels
 

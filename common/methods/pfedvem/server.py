@@ -15,7 +15,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.config import FedPACConfig
-from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
+from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, mean_reply_metric, reply_metric
 from common.methods.pfedvem import PFedVEM
 from common.methods.pfedvem.charts import confidence_chart, has_confidences
 from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
@@ -30,8 +30,7 @@ SCALE = "scale"
 def mean_local_accuracy(record: RoundData) -> object:
     """Unweighted mean of the locally trained models' accuracies, measured in the train step
     before aggregation (pFedVEM's own evaluation); "" where no reply has one."""
-    local = [m[p.LOCAL_ACCURACY] for m in record.train.values() if p.LOCAL_ACCURACY in m]
-    return float(np.mean(local)) if local else ""
+    return mean_reply_metric(record, p.LOCAL_ACCURACY)
 
 
 def num_aggregated(record: RoundData) -> object:
