@@ -37,11 +37,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from client_app.app import client_tensors  # noqa: E402
 from common import privacy  # noqa: E402
 from common.config import parse_run_config  # noqa: E402
-from common.data import load_source_dataset, run_normalization, to_tensors  # noqa: E402
-from common.model import initial_model, model_inputs  # noqa: E402
-from common.partition import client_split  # noqa: E402
+from common.model import initial_model  # noqa: E402
 from common.statistics import class_feature_sums  # noqa: E402
 from common.training import evaluate_head, train_head  # noqa: E402
 
@@ -56,15 +55,8 @@ FEATURE_CLIP = 5.0
 
 
 def site_data(cfg, device: torch.device) -> list[tuple[torch.Tensor, ...]]:  # noqa: ANN001
-    data = load_source_dataset(cfg)
-    mean, std = run_normalization(cfg, data)
-    sites = []
-    for pid in range(SITES):
-        split = client_split(cfg, pid, SITES)
-        x, y = to_tensors(data.train_images[split.train_indices], split.train_labels, mean, std, device)
-        x_test, y_test = to_tensors(data.test_images[split.test_indices], split.test_labels, mean, std, device)
-        sites.append((model_inputs(x, "scatternet"), y, model_inputs(x_test, "scatternet"), y_test))
-    return sites
+    """Each site's data as its ClientApp reads it (through the ScatterNet front end)."""
+    return [client_tensors(cfg, pid, SITES, device) for pid in range(SITES)]
 
 
 def pooled_model(cfg, sites, epochs: int):  # noqa: ANN001, ANN201

@@ -30,11 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.publish import command_line, publish  # noqa: E402
+from client_app.app import client_tensors  # noqa: E402
 from common.config import FedPACConfig, configured_method, parse_run_config  # noqa: E402
-from common.data import load_source_dataset, run_normalization, to_tensors  # noqa: E402
 from common.methods.server import ServerPart, ServerState, Update, server_part  # noqa: E402
 from common.model import FedPACNet, part_of, split_state  # noqa: E402
-from common.partition import client_split  # noqa: E402
 from common.training import evaluate, train_joint  # noqa: E402
 from server_app.app import initial_model  # noqa: E402
 from server_app.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
@@ -56,15 +55,8 @@ def run_config(checkpoint: Checkpoint, server_lr: float | None) -> FedPACConfig:
 
 
 def sites(cfg: FedPACConfig, partitions: list[int]) -> dict[int, Site]:
-    data = load_source_dataset(cfg)
-    mean, std = run_normalization(cfg, data)
-    cpu = torch.device("cpu")
-    out = {}
-    for pid in partitions:
-        split = client_split(cfg, pid, len(partitions))
-        out[pid] = (*to_tensors(data.train_images[split.train_indices], split.train_labels, mean, std, cpu),
-                    *to_tensors(data.test_images[split.test_indices], split.test_labels, mean, std, cpu))
-    return out
+    """Each client's data as its ClientApp reads it in a simulation."""
+    return {pid: client_tensors(cfg, pid, len(partitions), torch.device("cpu")) for pid in partitions}
 
 
 def model_of(cfg: FedPACConfig, arrays: dict[str, np.ndarray]) -> FedPACNet:

@@ -29,6 +29,14 @@ def optional_metric(metrics, key: str, default: float) -> float:
     return metric(metrics, key) if key in metrics else default
 
 
+def fraction_metric(metrics, key: str, what: str) -> float:
+    """A reported fraction (an accuracy): finite and in [0, 1]."""
+    value = metric(metrics, key)
+    if not 0.0 <= value <= 1.0:
+        raise InvalidReply(f"{what} {value} outside [0, 1]")
+    return value
+
+
 def metric_at_least(metrics, key: str, minimum: float, default: float) -> float:
     """An optional reported number: finite and >= ``minimum``, ``default`` where none is
     reported (FedPAC's noise in h, at least 0, and its heads' variance inflation, at least 1)."""

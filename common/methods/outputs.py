@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 
 class RoundData(Protocol):
     """One finished round as a method's outputs see it (``server_app.report.RoundRecord``)."""
@@ -57,13 +55,6 @@ class ClientColumn:
 def reply_metric(name: str, key: str) -> ClientColumn:
     """The client column ``name``: the reply metric ``key`` of the client's training reply."""
     return ClientColumn(name, lambda r, pid: r.train.get(pid, {}).get(key, ""))
-
-
-def mean_reply_metric(record: RoundData, key: str) -> object:
-    """The unweighted mean of the reply metric ``key`` over the round's training replies; ``""``
-    where no reply has it."""
-    values = [metrics[key] for metrics in record.train.values() if key in metrics]
-    return float(np.mean(values)) if values else ""
 
 
 @dataclass(frozen=True)
@@ -117,5 +108,5 @@ def schema(generic: Sequence[str], declared: Sequence[Sequence[str]]) -> tuple[s
     return tuple(dict.fromkeys([*generic, *(name for names in declared for name in names)]))
 
 
-__all__ = ["Chart", "ChartContext", "ClientColumn", "Outputs", "RoundColumn", "RoundData", "Table",
-           "mean_reply_metric", "reply_metric", "schema"]
+__all__ = ["Chart", "ChartContext", "ClientColumn", "Outputs", "RoundColumn", "RoundData", "Table", "reply_metric",
+           "schema"]

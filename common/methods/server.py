@@ -25,7 +25,7 @@ from common import protocol as p
 from common.config import FedPACConfig
 from common.methods import METHODS
 from common.methods.base import Method, Rule
-from common.methods.outputs import Outputs
+from common.methods.outputs import Outputs, RoundColumn, RoundData, reply_metric
 from common.robust import aggregate, bound_rows, bound_updates
 from common.validation import InvalidReply
 
@@ -268,6 +268,18 @@ def weighted_class_counts(updates: list[Update], weights: np.ndarray) -> np.ndar
     return counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
 
 
+
+def mean_local_accuracy(record: RoundData) -> object:
+    """Unweighted mean of the accuracies the clients report for the model they trained this
+    round, before the server's step (``p.LOCAL_ACCURACY``); "" where no reply has one."""
+    local = [m[p.LOCAL_ACCURACY] for m in record.train.values() if p.LOCAL_ACCURACY in m]
+    return float(np.mean(local)) if local else ""
+
+
+# The outputs' columns of a method whose clients report that accuracy (pFedVEM, pFedHN)
+LOCAL_ACCURACY_ROUND_COLUMN = RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True)
+LOCAL_ACCURACY_CLIENT_COLUMN = reply_metric("local_accuracy", p.LOCAL_ACCURACY)
+
 def server_class(method: Method) -> type[ServerPart]:
     """The class of ``method``'s server part: ``Server`` in ``server.py`` next to its class's module."""
     server: type[ServerPart] = importlib.import_module(f"{type(method).__module__}.server").Server
@@ -285,5 +297,6 @@ def registered_outputs() -> list[Outputs]:
     return [server_class(method).outputs for method in METHODS.values()]
 
 
-__all__ = ["EXTRACTOR", "HEAD", "InvalidReply", "Scaled", "ServerPart", "ServerState", "StepResult", "Update",
-           "registered_outputs", "server_class", "server_part", "weighted_class_counts"]
+__all__ = ["EXTRACTOR", "HEAD", "LOCAL_ACCURACY_CLIENT_COLUMN", "LOCAL_ACCURACY_ROUND_COLUMN", "InvalidReply",
+           "Scaled", "ServerPart", "ServerState", "StepResult", "Update", "registered_outputs", "server_class",
+           "server_part", "weighted_class_counts"]

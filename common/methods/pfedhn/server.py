@@ -12,6 +12,7 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.config import FedPACConfig
+from common.methods.outputs import Outputs, RoundData
 from common.methods.pfedhn import PFedHN
 from common.methods.pfedhn.hypernetwork import (
     EMBEDDING,
@@ -24,10 +25,17 @@ from common.methods.pfedhn.hypernetwork import (
     size,
     skeleton,
 )
-from common.methods.outputs import Outputs, RoundColumn, RoundData, mean_reply_metric, reply_metric
-from common.methods.server import ServerPart, ServerState, StepResult, Update
+from common.methods.server import (
+    LOCAL_ACCURACY_CLIENT_COLUMN,
+    LOCAL_ACCURACY_ROUND_COLUMN,
+    ServerPart,
+    ServerState,
+    StepResult,
+    Update,
+    mean_local_accuracy,
+)
 from common.model import part_of
-from common.validation import InvalidReply, metric
+from common.validation import fraction_metric
 
 # Sections of the state: phi and its momentum buffers (one for the federation), each client's
 # embedding and its momentum buffer (by partition-id; arrays under EMBEDDING).
@@ -35,11 +43,6 @@ HYPERNETWORK = "hypernetwork"
 HYPERNETWORK_MOMENTUM = "hypernetwork-momentum"
 EMBEDDINGS = "embedding"
 EMBEDDING_MOMENTUM = "embedding-momentum"
-
-
-def mean_local_accuracy(record: RoundData) -> object:
-    """The unweighted mean accuracy of the clients' models after their local update."""
-    return mean_reply_metric(record, p.LOCAL_ACCURACY)
 
 
 def _log(record: RoundData) -> str:
@@ -53,8 +56,8 @@ class Server(ServerPart):
 
     method: PFedHN
     # Beside the generated models' accuracy (the run's), the clients' models after their local update
-    outputs = Outputs(round_columns=(RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True),),
-                      client_columns=(reply_metric("local_accuracy", p.LOCAL_ACCURACY),), log=_log)
+    outputs = Outputs(round_columns=(LOCAL_ACCURACY_ROUND_COLUMN,), client_columns=(LOCAL_ACCURACY_CLIENT_COLUMN,),
+                      log=_log)
 
     def __init__(self, method: PFedHN, cfg: FedPACConfig, extractor: p.NDArrays, head: p.NDArrays) -> None:
         super().__init__(method, cfg, extractor, head)
@@ -92,9 +95,7 @@ class Server(ServerPart):
 
     def check(self, update: Update) -> Update:
         """The trained model's accuracy in [0, 1]."""
-        local = metric(update.metrics, p.LOCAL_ACCURACY)
-        if not 0.0 <= local <= 1.0:
-            raise InvalidReply(f"local accuracy {local} outside [0, 1]")
+        fraction_metric(update.metrics, p.LOCAL_ACCURACY, "local accuracy")
         return update
 
     # ------------------------------------------------------------------ what travels

@@ -15,22 +15,26 @@ from flwr.supercore import log
 
 from common import protocol as p
 from common.config import FedPACConfig
-from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, mean_reply_metric, reply_metric
+from common.methods.outputs import Chart, ClientColumn, Outputs, RoundColumn, RoundData, reply_metric
 from common.methods.pfedvem import PFedVEM
 from common.methods.pfedvem.charts import confidence_chart, has_confidences
-from common.methods.server import EXTRACTOR, HEAD, ServerPart, ServerState, StepResult, Update
-from common.model import EMBEDDING_DIM
-from common.validation import InvalidReply, metric
 from common.methods.pfedvem.variational import VEMProtocol, aggregate_sample, draw_sample, initial_global_head
+from common.methods.server import (
+    EXTRACTOR,
+    HEAD,
+    LOCAL_ACCURACY_CLIENT_COLUMN,
+    LOCAL_ACCURACY_ROUND_COLUMN,
+    ServerPart,
+    ServerState,
+    StepResult,
+    Update,
+    mean_local_accuracy,
+)
+from common.model import EMBEDDING_DIM
+from common.validation import InvalidReply, fraction_metric, metric
 
 # The section where checkpoints written before the sites kept their posterior scales held them.
 SCALE = "scale"
-
-
-def mean_local_accuracy(record: RoundData) -> object:
-    """Unweighted mean of the locally trained models' accuracies, measured in the train step
-    before aggregation (pFedVEM's own evaluation); "" where no reply has one."""
-    return mean_reply_metric(record, p.LOCAL_ACCURACY)
 
 
 def num_aggregated(record: RoundData) -> object:
@@ -56,9 +60,8 @@ def _log(record: RoundData) -> str:
 # What pFedVEM adds to the outputs: its own evaluation (the local models before aggregation) and
 # the sample S_t per round, the clients' reply metrics, and the clients' confidences chart.
 OUTPUTS = Outputs(
-    round_columns=(RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True),
-                   RoundColumn("num_aggregated", num_aggregated)),
-    client_columns=(reply_metric("head_loss", "head-loss"), reply_metric("local_accuracy", p.LOCAL_ACCURACY),
+    round_columns=(LOCAL_ACCURACY_ROUND_COLUMN, RoundColumn("num_aggregated", num_aggregated)),
+    client_columns=(reply_metric("head_loss", "head-loss"), LOCAL_ACCURACY_CLIENT_COLUMN,
                     reply_metric("rho", p.RHO), ClientColumn("aggregated", aggregated)),
     charts=(Chart("confidence.png", confidence_chart, has_confidences),),
     log=_log,
@@ -116,9 +119,7 @@ class Server(ServerPart):
         squared = rho * rho
         if not (rho > 0 and squared > 0 and 0.0 < 1.0 / squared < float("inf")):
             raise InvalidReply(f"rho = {rho} must be a positive number with a finite, positive confidence 1/rho^2")
-        local = metric(update.metrics, p.LOCAL_ACCURACY)
-        if not 0.0 <= local <= 1.0:
-            raise InvalidReply(f"local accuracy {local} outside [0, 1]")
+        fraction_metric(update.metrics, p.LOCAL_ACCURACY, "local accuracy")
         return dataclasses.replace(update, parsed={"rho": rho})
 
     def trains_every_client(self, fraction_train: float) -> bool:
