@@ -25,6 +25,7 @@ FedCCFA's metric, measured every ``generalized-every`` rounds and at the last)::
     clients = 100
     run-config = { fraction-train = 0.3 }
     paper = { fedpac = 92.72 }      # optional: the paper's number, shown next to ours
+    rounds = 300                    # optional: this column runs longer than the others
 
 A method's ``method-config`` applies over the levels' ``run-config`` (a baseline's recipe is its
 own, whatever the setting), and the command line's ``--set`` over both.
@@ -145,12 +146,16 @@ class Cell:
 
 
 @dataclass(frozen=True)
-class Setting:
-    """One column of an experiment's table: a client count and run-config overrides."""
+class Setting:  # pylint: disable=too-many-instance-attributes
+    """One column of an experiment's table: a client count, run-config overrides, and the
+    rounds and seeds its cells run (a column may run longer than its neighbours)."""
 
     name: str
     clients: int
+    rounds: int
+    seeds: list[int]
     run_config: dict[str, Any]
+    alpha_rounds: list[int] = field(default_factory=list)  # rounds whose combination weights are plotted
     paper: dict[str, float] = field(default_factory=dict)
 
 
@@ -162,9 +167,6 @@ class Experiment:
     title: str
     methods: list[str]
     settings: list[Setting]
-    seeds: list[int]
-    rounds: int
-    alpha_rounds: list[int]
     metric: str = "personalized"  # one of METRICS: what the table reports
     method_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method, over the setting's
     command_line: dict[str, Any] = field(default_factory=dict)  # --set, over everything
@@ -176,9 +178,9 @@ class Experiment:
             **self.command_line,
             "strategy": method,
             "seed": seed,
-            "num-server-rounds": self.rounds,
+            "num-server-rounds": setting.rounds,
         }
-        return Cell(method=method, clients=setting.clients, seed=seed, rounds=self.rounds, run_config=run_config)
+        return Cell(method=method, clients=setting.clients, seed=seed, rounds=setting.rounds, run_config=run_config)
 
     def cells(self) -> list[tuple[Setting, Cell]]:
         """Every (setting, cell), settings outermost, then methods, then seeds."""
@@ -186,8 +188,13 @@ class Experiment:
             (setting, self.cell(setting, method, seed))
             for setting in self.settings
             for method in self.methods
-            for seed in self.seeds
+            for seed in setting.seeds
         ]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every setting runs the same rounds over the same seeds (one caption says both)."""
+        return len({(s.rounds, tuple(s.seeds)) for s in self.settings}) <= 1
 
 
 @dataclass(frozen=True)
@@ -334,21 +341,24 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
             strays = sorted(set(paper) - set(all_methods))  # a typo would silently drop a number
             if strays:
                 raise GridError(f"{setting_where}.paper: {', '.join(strays)} not among the experiment's methods")
-            settings.append(Setting(setting_name, merged["clients"],
-                                    {**merged["run-config"], **overrides.run_config},
-                                    {k: float(v) for k, v in paper.items()}))
-        if "rounds" not in level and overrides.rounds is None:
-            raise GridError(f"{where}: no 'rounds' here or above (or --rounds)")
-        rounds = overrides.rounds or level["rounds"]
+            if "rounds" not in merged and overrides.rounds is None:
+                raise GridError(f"{setting_where}: no 'rounds' here or above (or --rounds)")
+            rounds = overrides.rounds or merged["rounds"]
+            settings.append(Setting(
+                name=setting_name,
+                clients=merged["clients"],
+                rounds=rounds,
+                seeds=overrides.seeds or merged["seeds"],
+                run_config={**merged["run-config"], **overrides.run_config},
+                # plotted rounds beyond a shortened run move to its last round
+                alpha_rounds=sorted({min(r, rounds) for r in merged["alpha-rounds"]}),
+                paper={k: float(v) for k, v in paper.items()},
+            ))
         experiment = Experiment(
             name=name,
             title=str(table.get("title", name)),
             methods=methods,
             settings=settings,
-            seeds=overrides.seeds or level["seeds"],
-            rounds=rounds,
-            # plotted rounds beyond a shortened run move to its last round
-            alpha_rounds=sorted({min(r, rounds) for r in level["alpha-rounds"]}),
             metric=metric,
             method_config=method_config,
             command_line=dict(overrides.run_config),

@@ -7,7 +7,8 @@ come from several grids and code versions (seed 0 first, the other seeds later, 
 at its own commit), so no single grid folder holds them all. This module reads the published
 folders, one per setting, and writes the experiment's usual report from them
 (:func:`experiments.summary.write_report`): ``summary.csv``, ``table.md`` next to the paper's
-values, ``curves.csv`` and ``accuracy.png`` over every seed published at the grid's length::
+values, ``curves.csv`` and ``accuracy.png`` over every seed published at the grid's length (each
+setting's, or ``--rounds``)::
 
     python -m experiments.published experiments/grids/fmnist-paper.toml --experiment table1 \\
         --setting 20-clients=docs/results/fmnist-paper/table1-200-rounds \\
@@ -67,15 +68,15 @@ def published_results(experiment: Experiment, folders: Mapping[str, Path]) -> tu
         if setting.name not in folders:
             continue
         for method in experiment.methods:
-            for seed in experiment.seeds:
+            for seed in setting.seeds:
                 folder = folders[setting.name] / f"{method}-seed{seed}"
                 if not folder.is_dir():
                     continue
                 run = read_published_run(folder)
                 if run is None:
                     skipped.append(f"{folder}: no readable rounds.csv")
-                elif run.rounds[-1]["round"] != experiment.rounds:
-                    skipped.append(f"{folder}: ends at round {run.rounds[-1]['round']}, not {experiment.rounds}")
+                elif run.rounds[-1]["round"] != setting.rounds:
+                    skipped.append(f"{folder}: ends at round {run.rounds[-1]['round']}, not {setting.rounds}")
                 else:
                     results[(setting.name, method, seed)] = run
     return results, skipped
@@ -104,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--setting", action="append", required=True, metavar="SETTING=FOLDER",
                      help="where a setting's runs are published (repeatable)")
     cli.add_argument("--seeds", help="seeds to look for, instead of the grid's, e.g. 0,1,2")
+    cli.add_argument("--rounds", type=int, help="the runs' length, instead of each setting's in the grid")
     cli.add_argument("--out", type=Path, required=True, help="folder to write the report to")
     return cli
 
@@ -113,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         folders = _folders(args.setting)
-        experiments = load_grid(args.grid, Overrides(seeds=parse_seeds(args.seeds), experiments=[args.experiment],
-                                                     settings=sorted(folders)))
+        if args.rounds is not None and args.rounds < 1:
+            raise GridError(f"--rounds must be >= 1, got {args.rounds}")
+        experiments = load_grid(args.grid, Overrides(rounds=args.rounds, seeds=parse_seeds(args.seeds),
+                                                     experiments=[args.experiment], settings=sorted(folders)))
     except GridError as err:
         print(f"experiments.published: {err}", file=sys.stderr)
         return 2
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for reason in skipped:
         print(f"left out {reason}", file=sys.stderr)
     if not results:
-        print(f"experiments.published: no run of {experiment.name} at {experiment.rounds} rounds under "
+        rounds = " or ".join(str(r) for r in sorted({s.rounds for s in experiment.settings}))
+        print(f"experiments.published: no run of {experiment.name} at {rounds} rounds under "
               f"{', '.join(map(str, folders.values()))}", file=sys.stderr)
         return 1
     rows = write_report(experiment, results, args.out)

@@ -68,12 +68,12 @@ def summary_rows(experiment: Experiment, results: Results) -> list[dict[str, Any
     for setting in experiment.settings:
         for method in experiment.methods:
             runs = [results[(setting.name, method, s)]
-                    for s in experiment.seeds if (setting.name, method, s) in results]
+                    for s in setting.seeds if (setting.name, method, s) in results]
             if not runs:
                 continue
             mean, std = _mean_std([run.final(experiment.metric) for run in runs])
             row = {"method": method, "setting": setting.name, "clients": setting.clients,
-                   "rounds": experiment.rounds, "seeds": len(runs), "mean": mean, "std": std}
+                   "rounds": setting.rounds, "seeds": len(runs), "mean": mean, "std": std}
             if experiment.metric == "generalized":
                 personalized, spread = _mean_std([run.final_accuracy for run in runs])
                 row.update(personalized_mean=personalized, personalized_std=spread)
@@ -100,12 +100,21 @@ _CAPTIONS = {
 }
 
 
+def _column_header(experiment: Experiment, setting: Setting) -> str:
+    """A setting's column: its name and clients, and its rounds and seeds where columns differ."""
+    if experiment.uniform:
+        return f"{setting.name} ({setting.clients} clients)"
+    seeds = "seed" if len(setting.seeds) == 1 else "seeds"
+    return (f"{setting.name} ({setting.clients} clients, {setting.rounds} rounds, "
+            f"{seeds} {', '.join(map(str, setting.seeds))})")
+
+
 def _table_lines(experiment: Experiment, rows: list[dict[str, Any]], mean: str, std: str,
                  paper: bool) -> list[str]:
     """Methods x settings of ``row[mean] ± row[std] (n=seeds)``, the paper's value in parentheses."""
     by_cell = {(r["method"], r["setting"]): r for r in rows}
     lines = [
-        "| method | " + " | ".join(f"{s.name} ({s.clients} clients)" for s in experiment.settings) + " |",
+        "| method | " + " | ".join(_column_header(experiment, s) for s in experiment.settings) + " |",
         "|---" * (len(experiment.settings) + 1) + "|",
     ]
     for method in experiment.methods:
@@ -127,12 +136,16 @@ def _table_lines(experiment: Experiment, rows: list[dict[str, Any]], mean: str, 
 def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
     """Methods x settings, "mean ± std" over seeds, the paper's value in parentheses; a
     generalized experiment adds the final personalized accuracy as a second table."""
-    seeds = ', '.join(map(str, experiment.seeds))
+    if experiment.uniform:
+        first = experiment.settings[0]
+        rounds, seeds = f"{first.rounds} rounds", f"the seeds {', '.join(map(str, first.seeds))}"
+    else:
+        rounds, seeds = "each column's rounds", "its seeds"
     lines = [
         f"# {experiment.title}",
         "",
-        f"{_CAPTIONS[experiment.metric]} after {experiment.rounds} rounds, mean ± std over "
-        f"the seeds {seeds} (n = seeds finished); paper's value in parentheses.",
+        f"{_CAPTIONS[experiment.metric]} after {rounds}, mean ± std over "
+        f"{seeds} (n = seeds finished); paper's value in parentheses.",
         "",
         *_table_lines(experiment, rows, "mean", "std", paper=True),
     ]
@@ -140,7 +153,7 @@ def markdown_table(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
         lines += [
             "",
             f"For reference, the final mean personalized test accuracy (%) (each client's model on its "
-            f"own test split) of the same runs, mean ± std over the seeds {seeds}:",
+            f"own test split) of the same runs, mean ± std over {seeds}:",
             "",
             *_table_lines(experiment, rows, "personalized_mean", "personalized_std", paper=False),
         ]
@@ -158,28 +171,28 @@ def _by_common_round(curves: list[tuple[list[int], list[float]]]) -> tuple[list[
     return rounds, np.array([[p[r] for r in rounds] for p in points])
 
 
-def seed_curves(experiment: Experiment, results: Results, setting: Setting,
+def seed_curves(results: Results, setting: Setting,
                 method: str) -> tuple[list[int], np.ndarray] | None:
     """(rounds evaluated by every finished seed, personalized accuracy in % per seed x round)."""
     return _by_common_round([results[(setting.name, method, s)].accuracy_curve()
-                             for s in experiment.seeds if (setting.name, method, s) in results])
+                             for s in setting.seeds if (setting.name, method, s) in results])
 
 
-def generalized_points(experiment: Experiment, results: Results, setting: Setting,
+def generalized_points(results: Results, setting: Setting,
                        method: str) -> tuple[list[int], np.ndarray] | None:
     """(rounds measured by every finished seed, generalized accuracy in % per seed x round)."""
     return _by_common_round([results[(setting.name, method, s)].generalized_curve()
-                             for s in experiment.seeds if (setting.name, method, s) in results])
+                             for s in setting.seeds if (setting.name, method, s) in results])
 
 
-def drift_rounds(experiment: Experiment, setting: Setting) -> tuple[int, ...]:
+def drift_rounds(setting: Setting) -> tuple[int, ...]:
     """The first rounds of a new concept in the setting's runs (none without drift), up to
-    the experiment's last round."""
+    the setting's last round."""
     try:
         drift = Drift.from_config(parse_run_config(setting.run_config))
     except (ConfigError, ValueError):  # the grid validated every cell; a report never fails on it
         return ()
-    return tuple(r for r in drift.change_rounds if r <= experiment.rounds) if drift.active else ()
+    return tuple(r for r in drift.change_rounds if r <= setting.rounds) if drift.active else ()
 
 
 def curves_csv(experiment: Experiment, results: Results, generalized: bool = False) -> bytes:
@@ -191,7 +204,7 @@ def curves_csv(experiment: Experiment, results: Results, generalized: bool = Fal
     points = generalized_points if generalized else seed_curves
     for setting in experiment.settings:
         for method in experiment.methods:
-            curve = points(experiment, results, setting, method)
+            curve = points(results, setting, method)
             if curve is None:
                 continue
             rounds, values = curve
@@ -215,13 +228,13 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     for ax, setting in zip(axes.flat, experiment.settings):
         plotted = False
         for method in experiment.methods:
-            curve = seed_curves(experiment, results, setting, method)
+            curve = seed_curves(results, setting, method)
             if curve is None:
                 continue
             plotted = True
             x, values = curve
             mean = values.mean(axis=0)
-            points = generalized_points(experiment, results, setting, method) if generalized else None
+            points = generalized_points(results, setting, method) if generalized else None
             label = f"{method} ({mean[-1]:.1f})"
             if points is not None:
                 label = f"{method} ({mean[-1]:.1f}; generalized {points[1].mean(axis=0)[-1]:.1f})"
@@ -232,7 +245,7 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
             if points is not None:
                 ax.plot(points[0], points[1].mean(axis=0), linestyle="none", marker="s", markersize=4,
                         markeredgecolor="black", markeredgewidth=0.5, color=line.get_color())
-        for index, change in enumerate(drift_rounds(experiment, setting)):
+        for index, change in enumerate(drift_rounds(setting)):
             ax.axvline(change, color="gray", linestyle=":", linewidth=1.2,
                        label="concept drift" if index == 0 else None)
         title = f"{setting.name} ({setting.clients} clients)"
@@ -303,12 +316,12 @@ def plot_alphas(experiment: Experiment, results: Results, directory: Path) -> li
     written = []
     for setting in experiment.settings:
         for method in (m for m in experiment.methods if METHODS[m].has_alpha):
-            seed = next((s for s in experiment.seeds if (setting.name, method, s) in results), None)
+            seed = next((s for s in setting.seeds if (setting.name, method, s) in results), None)
             if seed is None:
                 continue
             run = results[(setting.name, method, seed)]
             by_round = {r["round"]: r for r in run.rounds}
-            for number in experiment.alpha_rounds:
+            for number in setting.alpha_rounds:
                 record = by_round.get(number)
                 if record is None or not record.get("alpha"):
                     continue

@@ -73,6 +73,17 @@ def test_only_the_seeds_asked_for_are_read(tmp_path):
     assert results[("20-clients", "fedpac", 2)].final_accuracy == pytest.approx(80.0)
 
 
+def test_runs_of_another_length_are_read_with_rounds(tmp_path, capsys):
+    _publish(tmp_path / "fedpac-seed0", [0.9] * 20)
+    out = tmp_path / "report"
+    arguments = [str(GRID), "--experiment", "table1", "--setting", f"20-clients={tmp_path}", "--out", str(out)]
+    assert main(arguments) == 1  # the grid's 200 rounds: none
+    assert "ends at round 20, not 200" in capsys.readouterr().err
+    assert main([*arguments, "--rounds", "20"]) == 0
+    assert "after 20 rounds" in (out / "table.md").read_text()
+    assert main([*arguments, "--rounds", "0"]) == 2 and "--rounds must be >= 1" in capsys.readouterr().err
+
+
 def test_a_folder_that_is_no_rounds_table_is_unreadable_not_a_crash(tmp_path):
     folder = tmp_path / "fedpac-seed0"
     folder.mkdir()

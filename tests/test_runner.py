@@ -72,7 +72,8 @@ clients = 4
 """
     experiments = load_grid(_grid(tmp_path, text), Overrides(rounds=3, run_config={"local-epochs": 2}))
     tiny, other = experiments
-    assert tiny.rounds == other.rounds == 3 and tiny.alpha_rounds == [1, 3]  # 5 clipped to the last
+    assert {s.rounds for e in experiments for s in e.settings} == {3}
+    assert tiny.settings[0].alpha_rounds == [1, 3]  # 5 clipped to the last
     settings = {s.name: s for s in other.settings}
     assert settings["same-as-tiny"].run_config["uniform-share"] == 20.0
     assert settings["bigger"].run_config["uniform-share"] == 50.0 and settings["bigger"].clients == 4
@@ -85,6 +86,31 @@ clients = 4
     assert [e.name for e, _ in shared.uses] == ["tiny", "other"]
     only = load_grid(_grid(tmp_path, text), Overrides(experiments=["other"], methods=["local"], seeds=[7]))
     assert [(c.method, c.seed) for _, c in only[0].cells()] == [("local", 7), ("local", 7)]
+
+
+def test_a_setting_may_run_its_own_rounds_and_seeds_and_the_table_says_so(tmp_path):
+    from experiments.summary import markdown_table, summary_rows
+
+    text = TINY + """
+[experiments.tiny.settings.longer]
+rounds = 4
+seeds = [1, 2]
+alpha-rounds = [4]
+"""
+    (experiment,) = load_grid(_grid(tmp_path, text))
+    cells = [(setting.name, cell.method, cell.seed, cell.rounds, cell.run_config["num-server-rounds"])
+             for setting, cell in experiment.cells()]
+    assert cells == [("s-20", "fedavg", 0, 2, 2), ("s-20", "fedpac", 0, 2, 2),
+                     ("longer", "fedavg", 1, 4, 4), ("longer", "fedavg", 2, 4, 4),
+                     ("longer", "fedpac", 1, 4, 4), ("longer", "fedpac", 2, 4, 4)]
+    assert [s.alpha_rounds for s in experiment.settings] == [[1, 2], [4]]  # the top's 5 clipped to 2
+    assert not experiment.uniform
+    table = markdown_table(experiment, summary_rows(experiment, {}))
+    assert "after each column's rounds, mean ± std over its seeds" in table
+    assert "| s-20 (3 clients, 2 rounds, seed 0) | longer (3 clients, 4 rounds, seeds 1, 2) |" in table
+    (shortened,) = load_grid(_grid(tmp_path, text), Overrides(rounds=3, seeds=[5]))  # the command line wins
+    assert {(c.rounds, c.seed) for _, c in shortened.cells()} == {(3, 5)} and shortened.uniform
+    assert "after 3 rounds, mean ± std over the seeds 5" in markdown_table(shortened, [])
 
 
 @pytest.mark.parametrize("change,fragment", [
@@ -164,7 +190,8 @@ def test_the_fedccfa_drift_grid_has_the_papers_protocol_and_cells():
     path = Path(__file__).resolve().parents[1] / "experiments" / "grids" / "fmnist-drift.toml"
     experiments = load_grid(path)
     assert [e.name for e in experiments] == ["sudden", "recurrent", "incremental"]
-    assert all(e.metric == "generalized" and e.rounds == 200 and e.seeds == [0, 1, 2] for e in experiments)
+    assert all(e.metric == "generalized" for e in experiments)
+    assert all(s.rounds == 200 and s.seeds == [0, 1, 2] for e in experiments for s in e.settings)
     # sudden: 2 settings x 5 methods x 3 seeds; recurrent, incremental: 1 x 2 x 3; none shared
     assert [len(e.cells()) for e in experiments] == [30, 6, 6] and len(plan(experiments)) == 42
     sudden = {s.name: s for s in experiments[0].settings}
@@ -478,10 +505,10 @@ def test_seeds_are_averaged_round_by_round_when_one_missed_an_evaluation(tmp_pat
         return RunOutputs(tmp_path, {}, rounds, 0.0)
 
     results = {(setting.name, "fedavg", 0): run([0.5, 0.6, 0.7]), (setting.name, "fedavg", 1): run([None, 0.6, 0.7])}
-    rounds, values = seed_curves(experiment, results, setting, "fedavg")
+    rounds, values = seed_curves(results, setting, "fedavg")
     assert rounds == [2, 3]  # round 1 has one seed's value only: left out, nothing shifted
     np.testing.assert_allclose(values, [[60.0, 70.0], [60.0, 70.0]])
-    assert seed_curves(experiment, {}, setting, "fedavg") is None
+    assert seed_curves({}, setting, "fedavg") is None
 
 
 def test_cells_written_before_the_config_grew_are_still_found(tmp_path, capsys):
@@ -664,7 +691,7 @@ def test_a_generalized_experiment_reports_the_last_rounds_generalized_accuracy(t
         ("fedavg", "1"), ("fedavg", "3"), ("fedpac", "1"), ("fedpac", "3")]
     assert (report / "accuracy.png").stat().st_size > 0
     (experiment,) = load_grid(grid)
-    assert drift_rounds(experiment, experiment.settings[0]) == (2,)  # a drift at 1 (0-based): from round 2
+    assert drift_rounds(experiment.settings[0]) == (2,)  # a drift at 1 (0-based): from round 2
 
     # a last round without the generalized accuracy is blank, not its personalized accuracy
     again = tmp_path / "again"
