@@ -295,7 +295,8 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
         measured = points[:, 0].astype(int)
         mean[measured], std[measured] = points[:, 1], points[:, 2]
         ax.errorbar(np.arange(len(names)), mean, yerr=std, marker="o", capsize=3, label=method)
-    ax.set_xticks(range(len(names)), names)
+    ticks = names if experiment.uniform else [f"{s.name}\n{s.rounds} rounds" for s in experiment.settings]
+    ax.set_xticks(range(len(names)), ticks)
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_xlabel("setting")
     ax.set_ylabel(f"final {experiment.metric} test accuracy (%)")
