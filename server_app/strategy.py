@@ -50,6 +50,10 @@ from server_app.report import FinalDelivery, RoundRecord
 
 # Seconds between two looks for a site that the final delivery has not reached (offline).
 DELIVERY_POLL = 1.0
+# Rounds in a row that ask a partition to train without a valid reply from it before the
+# operator is warned: one refused or lost reply is noise, three are a site that has stopped
+# contributing.
+SILENT_ROUNDS = 3
 
 
 class FederationStalled(RuntimeError):
@@ -129,6 +133,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         self.min_train_replies = min_train_replies
         self.max_failed_rounds = max_failed_rounds
         self.failed_rounds = 0  # consecutive rounds without enough valid replies
+        # partition -> (first round, count) of the rounds in a row that asked it to train and
+        # got no valid reply from it
+        self._unheard: dict[int, tuple[int, int]] = {}
         self.max_weight_ratio = max_weight_ratio
         self.seed = seed
         self.on_round_end = on_round_end
@@ -323,6 +330,26 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
             return None
         return parsed
 
+    def _track_silence(self, server_round: int, asked: set[int], heard: set[int]) -> None:
+        """Warn once when a partition asked to train has sent no valid reply in
+        :data:`SILENT_ROUNDS` of its rounds in a row (each refusal is logged on its own, but a
+        site that never gets through is easy to miss among them): its part of the model stops
+        learning, and a round that misses its evaluation leaves it out of the mean accuracy,
+        which then flatters the federation. Said again, once, when it is heard from."""
+        for pid in sorted(asked):
+            if pid in heard:
+                _, count = self._unheard.pop(pid, (server_round, 0))
+                if count >= SILENT_ROUNDS:
+                    log(INFO, "Partition %d sent a valid training reply again in round %d, after %d "
+                        "rounds without", pid, server_round, count)
+                continue
+            since, count = self._unheard.get(pid, (server_round, 0))
+            self._unheard[pid] = (since, count + 1)
+            if count + 1 == SILENT_ROUNDS:
+                log(WARNING, "Partition %d has sent no valid training reply in the %d rounds that asked "
+                    "it since round %d (each refusal is logged above): its model is not trained, and "
+                    "rounds without its evaluation leave it out of the mean accuracy", pid, SILENT_ROUNDS, since)
+
     @staticmethod
     def _unique(parsed: list) -> list:
         """The replies in partition order, those whose partition-id appears twice in one round
@@ -348,6 +375,9 @@ class PersonalizedStrategy(SiteBinding, Strategy):  # pylint: disable=too-many-i
         accepted = (self._accept(msg, parse) for msg in replies)
         updates: list[ClientUpdate] = self._unique([u for u in accepted if u is not None])
         log(INFO, "aggregate_train: %d valid replies of %d", len(updates), len(replies))
+        asked = {self.node_partition.get(m.metadata.dst_node_id) for m in self._sent}
+        self._track_silence(server_round, {pid for pid in asked if pid is not None},
+                            {u.partition_id for u in updates})
         if self._pending is not None:  # before this round changes the state its checkpoint saves
             pending, self._pending = self._pending, None
             self._close_round(pending, [u.evaluation for u in updates if u.evaluation is not None])

@@ -178,6 +178,40 @@ def test_bad_reply_is_rejected_and_logged(case, caplog):
     assert np.isfinite(strategy.state.shared[CENTROIDS][p.CENTROID_VALUES]).all()
 
 
+def test_a_site_whose_replies_never_get_through_is_named_once_and_again_when_it_returns(caplog):
+    """Each refusal is logged on its own; a partition refused in SILENT_ROUNDS rounds in a row
+    gets one warning of its own (its model stops learning, the mean accuracy leaves it out)."""
+    from server_app.strategy import SILENT_ROUNDS
+
+    refusing = {"on": True}
+
+    def tampering(reply, pid):
+        if refusing["on"] and pid == BAD and reply.metadata.message_type == MessageType.TRAIN:
+            set_array(p.MODEL, "head.bias", nan)(reply)
+        return reply
+
+    strategy, extractor = _strategy(SILENT_ROUNDS + 1)
+    arrays = p.to_record(extractor)
+    grid = InProcessGrid(RUN_CONFIG, 3, tamper=tampering)
+    strategy.discover(grid, timeout=60)
+    warned_after, logs = [], []
+    for server_round in range(1, SILENT_ROUNDS + 2):
+        refusing["on"] = server_round <= SILENT_ROUNDS
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+            arrays, _ = strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+        assert "Rejected reply from node" in caplog.text if refusing["on"] else "Rejected" not in caplog.text
+        logs.append(caplog.text)
+        if f"Partition {BAD} has sent no valid training reply" in caplog.text:
+            warned_after.append(server_round)
+            assert f"in the {SILENT_ROUNDS} rounds that asked it since round 1" in caplog.text
+    assert warned_after == [SILENT_ROUNDS]  # once, when the streak reaches it
+    assert f"Partition {BAD} sent a valid training reply again in round {SILENT_ROUNDS + 1}" in caplog.text
+    assert not any(f"Partition {pid} has sent" in text for text in logs for pid in (0, 2))
+    assert set(strategy.state.personal[HEAD]) == {0, 1, 2}  # its head, once it got through
+
+
 def _set_evaluation_metric(key, value):
     def tamper(reply):
         reply.content[p.METRICS][key] = value
