@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -223,7 +224,9 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     count = len(experiment.settings)
     columns = min(count, 3)
     rows = math.ceil(count / columns)
-    fig = Figure(figsize=(5.2 * columns, 3.9 * rows))
+    crowded = len(experiment.methods) > CROWDED
+    colors = method_colors(experiment.methods)
+    fig = Figure(figsize=((6.9 if crowded else 5.2) * columns, 3.9 * rows))
     axes = fig.subplots(rows, columns, squeeze=False)
     for ax, setting in zip(axes.flat, experiment.settings):
         plotted = False
@@ -238,7 +241,7 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
             label = f"{method} ({mean[-1]:.1f})"
             if points is not None:
                 label = f"{method} ({mean[-1]:.1f}; generalized {points[1].mean(axis=0)[-1]:.1f})"
-            line, = ax.plot(x, mean, label=label)
+            line, = ax.plot(x, mean, label=label, color=colors[method])
             if len(values) > 1:
                 std = values.std(axis=0, ddof=1)
                 ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
@@ -256,7 +259,9 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)" if generalized else "personalized test accuracy (%)")
         ax.grid(alpha=0.3)
-        if plotted:
+        if plotted and crowded:  # beside the panel: inside, a long legend hides the curves' ends
+            ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
+        elif plotted:
             ax.legend(loc="lower right", fontsize=8)
         else:  # a setting still queued: say so rather than draw empty 0..1 axes that read as a result
             ax.text(0.5, 0.5, "no finished run yet", transform=ax.transAxes, ha="center", va="center",
@@ -267,6 +272,18 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
         ax.set_visible(False)
     fig.suptitle(textwrap.fill(experiment.title, width=55 * columns))  # long titles overflow one panel
     save_figure(fig, path)
+
+
+# More methods than this in one panel: a palette of 20 colours and the legend beside the panel.
+CROWDED = 10
+
+
+def method_colors(methods: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """One colour per method, the same in every panel of a report: matplotlib's ten default
+    ones (``tab10``), or ``tab20``'s where more methods share a plot, since the default cycle
+    starts over after ten and would give two methods of Table 1 one colour."""
+    palette = colormaps["tab10" if len(methods) <= CROWDED else "tab20"]
+    return {method: palette(index % palette.N) for index, method in enumerate(methods)}
 
 
 def setting_lines(experiment: Experiment, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -287,6 +304,7 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
     error bars): the form of the paper's Figure 1a, the accuracy as the data grows less
     heterogeneous."""
     names = [setting.name for setting in experiment.settings]
+    colors = method_colors(experiment.methods)
     fig = Figure(figsize=(max(5.2, 1.3 * len(names) + 2.6), 3.9))
     ax = fig.subplots()
     for method, points in setting_lines(experiment, rows).items():
@@ -294,7 +312,8 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
         mean, std = np.full(len(names), np.nan), np.zeros(len(names))
         measured = points[:, 0].astype(int)
         mean[measured], std[measured] = points[:, 1], points[:, 2]
-        ax.errorbar(np.arange(len(names)), mean, yerr=std, marker="o", capsize=3, label=method)
+        ax.errorbar(np.arange(len(names)), mean, yerr=std, marker="o", capsize=3, label=method,
+                    color=colors[method])
     ticks = names if experiment.uniform else [f"{s.name}\n{s.rounds} rounds" for s in experiment.settings]
     ax.set_xticks(range(len(names)), ticks)
     ax.set_xlim(-0.5, len(names) - 0.5)

@@ -954,3 +954,15 @@ def test_a_runner_started_in_the_background_stops_its_cell_on_sigterm_and_sigint
         if cell is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(cell, signal.SIGKILL)
+
+
+def test_every_method_of_a_crowded_table_has_its_own_colour_in_every_panel():
+    from experiments.summary import method_colors
+
+    table1 = ["local", "fedavg", "fedavg-ft", "fedper", "lg-fedavg", "fedrep", "apfl", "pfedme", "ditto",
+              "fedbabu", "fedrod", "knn-per", "fedfomo", "pfedhn", "fedpac"]
+    colors = method_colors(table1)
+    assert len(set(colors.values())) == len(table1)  # the default cycle repeats after ten
+    assert method_colors(table1) == colors  # the same colours wherever the table is drawn
+    few = method_colors(["fedavg", "fedpac"])
+    assert len(set(few.values())) == 2 and few != {m: colors[m] for m in few}  # few methods: tab10
