@@ -271,7 +271,7 @@ def plot_accuracy(experiment: Experiment, results: Results, path: Path) -> None:
     for ax in list(axes.flat)[count:]:
         ax.set_visible(False)
     fig.suptitle(textwrap.fill(experiment.title, width=55 * columns))  # long titles overflow one panel
-    save_figure(fig, path)
+    save_figure(fig, path, palette=True)
 
 
 # More methods than this in one panel: a palette of 20 colours and the legend beside the panel.
@@ -323,7 +323,7 @@ def plot_by_setting(experiment: Experiment, rows: list[dict[str, Any]], path: Pa
     if ax.lines:
         ax.legend(loc="best", fontsize=8)
     ax.set_title(textwrap.fill(experiment.title, width=60), fontsize=10)
-    save_figure(fig, path)
+    save_figure(fig, path, palette=True)
 
 
 def _group_lookup(groups: dict[int, int]) -> Callable[[int], int]:

@@ -81,7 +81,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:  # pylint: disable=unused
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _unrendered(fig, path: Path) -> None:
+def _unrendered(fig, path: Path, palette: bool = False) -> None:
     from server_app import report
 
     report.atomic_write(path, PNG_SIGNATURE)  # where the real one writes (a full disk still fails)

@@ -58,7 +58,7 @@ def test_a_table_is_redrawn_from_runs_published_in_several_folders(tmp_path, cap
     # every round both seeds measured (round 7 of seed 0 did not), mean over the two
     assert [int(r["round"]) for r in curve] == [n for n in range(1, 201) if n != 7]
     assert float(curve[-1]["mean"]) == pytest.approx(91.0) and curve[-1]["seeds"] == "2"
-    assert (out / "accuracy.png").stat().st_size > 10_000
+    assert (out / "accuracy.png").stat().st_size > 2_000  # rendered, not the 8-byte stand-in
     assert (out / "by-setting.png").is_file()
     errors = capsys.readouterr().err
     assert "fedavg-seed0: ends at round 150, not 200" in errors

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from common.config import parse_run_config
 from experiments.archive import archive_grid
@@ -586,7 +587,9 @@ def test_report_has_mean_and_std_over_seeds_the_paper_value_and_plots(tmp_path, 
     assert all(float(r["mean"]) == pytest.approx(81.0 if r["method"] == "fedavg" else 91.0) for r in curves)
     assert all(float(r["std"]) == pytest.approx(math.sqrt(2), abs=1e-4) for r in curves)
     assert (report / "accuracy.png").read_bytes().startswith(PNG_SIGNATURE)
-    assert (report / "accuracy.png").stat().st_size > 10_000  # rendered
+    assert (report / "accuracy.png").stat().st_size > 2_000  # rendered, not the 8-byte stand-in
+    with Image.open(report / "accuracy.png") as image:  # a report's line plot: 256 colours
+        assert image.mode == "P" and len(image.getcolors(256) or []) > 4
     alphas = sorted(p.name for p in (report / "alpha").iterdir())
     assert alphas == ["s-20-fedpac-seed0-round1.png", "s-20-fedpac-seed0-round2.png"]  # FedAvg has none
 
@@ -615,7 +618,7 @@ run-config = { uniform-share = 80.0 }
     np.testing.assert_allclose(lines["fedpac"], [[0, 91.0, math.sqrt(2)], [2, 91.0, math.sqrt(2)]])
     assert (out / "tiny" / "by-setting.png").stat().st_size > 0
     figures = []
-    monkeypatch.setattr(summary, "save_figure", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(summary, "save_figure", lambda fig, path, palette=False: figures.append(fig))
     summary.plot_by_setting(experiment, summary_rows(experiment, results_of(experiment, out)), tmp_path / "x.png")
     fedavg, fedpac = (line.get_ydata() for line in figures[0].axes[0].lines if line.get_marker() == "o")
     np.testing.assert_allclose(fedavg, [81.0, 80.0, 81.0])
@@ -637,7 +640,7 @@ run-config = { uniform-share = 80.0 }
     assert main([str(grid), "--out", str(out), "--seeds", "0", "--settings", "s-20"], execute=FakeSimulation()) == 0
     (experiment,) = load_grid(grid, Overrides(seeds=[0]))
     figures = []
-    monkeypatch.setattr(summary, "save_figure", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(summary, "save_figure", lambda fig, path, palette=False: figures.append(fig))
     summary.plot_accuracy(experiment, results_of(experiment, out), tmp_path / "accuracy.png")
     (figure,) = figures
     queued, finished = figure.axes  # the grid file's order: s-80, then s-20
