@@ -320,6 +320,8 @@ def load_grid(path: Path, overrides: Overrides = Overrides()) -> list[Experiment
         raise GridError(f"unknown method(s) {', '.join(unknown_methods)}; one of {', '.join(METHODS)}")
     if overrides.seeds is not None:
         _int_list(overrides.seeds, "--seeds", 0)
+    if overrides.rounds is not None and overrides.rounds < 1:
+        raise GridError(f"--rounds must be >= 1, got {overrides.rounds}")
     experiments = []
     for name in _select(list(tables), overrides.experiments):
         where = f"experiments.{name}"

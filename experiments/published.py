@@ -115,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         folders = _folders(args.setting)
-        if args.rounds is not None and args.rounds < 1:
-            raise GridError(f"--rounds must be >= 1, got {args.rounds}")
         experiments = load_grid(args.grid, Overrides(rounds=args.rounds, seeds=parse_seeds(args.seeds),
                                                      experiments=[args.experiment], settings=sorted(folders)))
     except GridError as err:

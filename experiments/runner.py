@@ -487,8 +487,6 @@ def main(argv: list[str] | None = None, execute: Executor | None = None) -> int:
     """Console entry point; returns 0 when every cell finished, 1 when some failed, 2 on a bad grid."""
     args = parser().parse_args(argv)
     try:
-        if args.rounds is not None and args.rounds < 1:
-            raise GridError(f"--rounds must be >= 1, got {args.rounds}")
         overrides = Overrides(
             rounds=args.rounds,
             seeds=parse_seeds(args.seeds),

@@ -478,6 +478,7 @@ def test_a_second_runner_in_the_same_output_folder_is_refused(tmp_path, capsys):
     (["--seeds", ""], "--seeds must be a non-empty list of distinct integers"),
     (["--settings", "s20"], "--settings: s20 in none of the selected experiments"),
     (["--methods", "local"], "--methods: local in none of the selected experiments"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
 ])
 def test_a_selection_that_would_miscount_or_select_nothing_fails_and_leaves_the_reports(tmp_path, capsys, argv,
                                                                                          fragment):

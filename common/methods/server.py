@@ -268,7 +268,6 @@ def weighted_class_counts(updates: list[Update], weights: np.ndarray) -> np.ndar
     return counts * (weights / np.array([u.num_examples for u in updates], dtype=np.float64))[:, None]
 
 
-
 def mean_local_accuracy(record: RoundData) -> object:
     """Unweighted mean of the accuracies the clients report for the model they trained this
     round, before the server's step (``p.LOCAL_ACCURACY``); "" where no reply has one."""
@@ -279,6 +278,7 @@ def mean_local_accuracy(record: RoundData) -> object:
 # The outputs' columns of a method whose clients report that accuracy (pFedVEM, pFedHN)
 LOCAL_ACCURACY_ROUND_COLUMN = RoundColumn("mean_local_accuracy", mean_local_accuracy, in_metrics=True)
 LOCAL_ACCURACY_CLIENT_COLUMN = reply_metric("local_accuracy", p.LOCAL_ACCURACY)
+
 
 def server_class(method: Method) -> type[ServerPart]:
     """The class of ``method``'s server part: ``Server`` in ``server.py`` next to its class's module."""
