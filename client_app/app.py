@@ -481,7 +481,7 @@ def _keep_site_model(model: FedPACNet, cfg: FedPACConfig, context: Context, serv
             method=cfg.strategy, run_id=context.run_id, round=server_round, partition_id=partition_id,
             accuracy=accuracy, num_classes=cfg.num_classes, image_size=cfg.image_size,
             image_channels=cfg.image_channels, mean=[float(v) for v in mean], std=[float(v) for v in std],
-            front_end=cfg.extractor_front_end,
+            front_end=cfg.extractor_front_end, branches=model.branches,
         ), run_complete=last_round)
         log(INFO, "partition %d, round %d: personalized model saved in %s%s", partition_id, server_round, folder,
             " (now the site's current model)" if last_round else "")

@@ -10,7 +10,7 @@ until the round timeout, and the run's status.json lists under ``delivery`` who 
 A model is two files:
 
 * ``model.pt``: the PyTorch state dict (``torch.load`` gives it back; ``extractor.*`` and
-  ``head.*`` tensors of :class:`common.model.FedPACNet`);
+  ``head.*`` tensors of :class:`common.model.FedPACNet`, with ``branches`` extractors side by side);
 * ``model.json``: the run, the round, its accuracy on the site's own test split, the method, the
   model shape, the input normalization the model expects and when it was saved.
 
@@ -84,6 +84,7 @@ class SiteModel:
     std: list[float]
     saved_at: float = 0.0  # Unix time of the save (0: written before runs were kept); orders the runs
     front_end: str = "none"  # the run's extractor-front-end: what the model reads (common.model.model_inputs)
+    branches: int = 1  # extractors side by side (common.model.FedPACNet): 2 for APFL's output mixture
 
 
 def run_id_of(run: int | str) -> int:
@@ -234,7 +235,7 @@ def load_site_model(directory: str | Path, device: str | torch.device = "cpu",
         state = torch.load(folder / MODEL_FILE, map_location=device, weights_only=True)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{folder} holds no site model ({MODEL_FILE} + {INFO_FILE}): {err}") from err
-    model = FedPACNet(info.image_channels, info.image_size, info.num_classes, info.front_end)
+    model = FedPACNet(info.image_channels, info.image_size, info.num_classes, info.front_end, info.branches)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), info
 

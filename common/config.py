@@ -284,6 +284,12 @@ def _validate(cfg: FedPACConfig) -> None:
                 method.configured({key: settings[key]})
             except ValueError as err:
                 raise ConfigError(f"run config '{key}' = {settings[key]!r} is invalid: {err}") from err
+    try:  # each valid alone; some of the run's method's settings exclude each other
+        configured_method(cfg)
+    except ValueError as err:
+        given = sorted(settings.keys() & settings_of(METHODS[cfg.strategy]).keys())
+        values = " and ".join(f"'{key}' = {settings[key]!r}" for key in given)
+        raise ConfigError(f"run config {values} do not go together: {err}") from err
     _check(cfg.num_server_rounds >= 1, k("num_server_rounds"), cfg.num_server_rounds, ">= 1")
     for name in ("fraction_train", "fraction_evaluate"):
         value = getattr(cfg, name)

@@ -11,7 +11,9 @@ private learning needs better features (or much more data)", ICLR 2021.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -111,14 +113,36 @@ def _extractor(in_channels: int, image_size: int, front_end: str = "none") -> nn
     return nn.Sequential(*body, nn.Linear(flat_dim, EMBEDDING_DIM), nn.LeakyReLU())
 
 
+class Branches(nn.Module):
+    """Several extractors side by side on the same input, their features concatenated."""
+
+    def __init__(self, extractors: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(extractors)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([branch(x) for branch in self.branches], dim=1)
+
+
 class FedPACNet(nn.Module):
     """Feature extractor ``f_theta`` followed by a linear classifier head ``phi``. With a front
-    end, it reads :func:`model_inputs` of the images instead of the images."""
+    end, it reads :func:`model_inputs` of the images instead of the images.
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int, front_end: str = "none") -> None:
+    With ``branches`` > 1 the extractor is that many of the paper's extractors side by side
+    (:class:`Branches`) and the head reads their features together: the shape of a weighted sum
+    of several models' outputs (:func:`output_mixture`), which a site evaluates, saves and loads
+    like any other model."""
+
+    def __init__(self, in_channels: int, image_size: int, num_classes: int, front_end: str = "none",
+                 branches: int = 1) -> None:
         super().__init__()
-        self.extractor = _extractor(in_channels, image_size, front_end)
-        self.head = nn.Linear(EMBEDDING_DIM, num_classes)
+        if branches < 1:
+            raise ValueError(f"a model has at least one extractor, not {branches}")
+        if branches == 1:
+            self.extractor: nn.Module = _extractor(in_channels, image_size, front_end)
+        else:
+            self.extractor = Branches([_extractor(in_channels, image_size, front_end) for _ in range(branches)])
+        self.head = nn.Linear(branches * EMBEDDING_DIM, num_classes)
 
     @property
     def embedding_dim(self) -> int:
@@ -128,8 +152,32 @@ class FedPACNet(nn.Module):
     def num_classes(self) -> int:
         return self.head.out_features
 
+    @property
+    def branches(self) -> int:
+        """How many extractors run side by side (1: the paper's model)."""
+        return len(self.extractor.branches) if isinstance(self.extractor, Branches) else 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.extractor(x))
+
+
+@torch.no_grad()
+def output_mixture(models: Sequence[FedPACNet], weights: Sequence[float]) -> FedPACNet:
+    """One network whose logits are ``sum_k weights[k] * models[k](x)``: the models' extractors
+    side by side, and as head their heads side by side, each scaled by its weight (the biases
+    summed with the same weights). The models are copied, not shared."""
+    if len(models) != len(weights) or not models:
+        raise ValueError(f"{len(models)} models and {len(weights)} weights")
+    if any(model.branches != 1 for model in models):
+        raise ValueError("the mixed models must each have one extractor")
+    mixture = copy.deepcopy(models[0])
+    mixture.extractor = Branches([copy.deepcopy(model.extractor) for model in models])
+    head = models[0].head
+    mixture.head = nn.Linear(len(models) * head.in_features, head.out_features, device=head.weight.device,
+                             dtype=head.weight.dtype)
+    mixture.head.weight.copy_(torch.cat([weight * model.head.weight for model, weight in zip(models, weights)], dim=1))
+    mixture.head.bias.copy_(torch.stack([weight * model.head.bias for model, weight in zip(models, weights)]).sum(0))
+    return mixture
 
 
 def initial_model(in_channels: int, image_size: int, num_classes: int, seed: int,

@@ -194,6 +194,9 @@ BAD_VALUES: dict[str, list[Bad]] = {
            Bad(True, "false with strategy 'pfedme'", {"strategy": "pfedme"}),
            Bad(True, "false with strategy 'fedfomo'", {"strategy": "fedfomo"})],
     "apfl-alpha": [Bad(-0.1, "must be in [0, 1]"), Bad(1.5, "must be in [0, 1]")],
+    "apfl-mixing": [Bad("logits", "must be one of 'parameters', 'outputs'"),
+                    Bad("outputs", "do not go together: apfl-adapt-alpha follows the gradient of the "
+                        "parameter-space mixture", {"strategy": "apfl", "apfl-adapt-alpha": True})],
     "pfedme-lambda": [Bad(0.0, "must be > 0"), Bad(-1.0, "must be > 0")],
     "pfedme-k": [Bad(0, "must be >= 1")],
     "pfedme-personal-lr": [Bad(0.0, "must be > 0")],
@@ -253,7 +256,8 @@ def test_a_bad_value_is_refused_with_the_key_and_the_reason(key, bad):
     with pytest.raises(ConfigError) as err:
         _parse(key, bad.value, bad.given)
     message = str(err.value)
-    assert f"run config '{key}'" in message and bad.fragment in message, message
+    named = f"run config '{key}'" in message or (message.startswith("run config ") and f"'{key}' = " in message)
+    assert named and bad.fragment in message, message
     # a message that quotes the value quotes the one given, not some other
     quotes = f"run config '{key}' = " in message and "finite" not in bad.fragment  # NaN, Inf, 10**400 print otherwise
     if quotes and isinstance(bad.value, (int, float)):

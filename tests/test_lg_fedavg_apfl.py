@@ -7,33 +7,37 @@ does, and the server's head is the sample-weighted mean of the replies'.
 APFL: per minibatch, w steps on its own loss and the local model v on the loss of the mixed
 model v_bar = alpha v + (1 - alpha) w (alpha by its gradient when it adapts); compared, in a
 second round where the kept v differs from the received w, with a from-scratch implementation of
-the paper's Algorithm 1; what it keeps and sends; its settings; differential privacy; and a short
-federation that learns.
+the paper's Algorithm 1, and with the mixed outputs of its authors' code (``apfl-mixing =
+"outputs"``); what it keeps and sends; its settings; differential privacy; and short federations
+that learn, one of whose sites save their output mixture as a model they can load.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-from pathlib import Path
 from typing import cast
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from flwr.app import MessageType
 from flwr.serverapp import Grid
+from torch.func import functional_call
 
+from client_app.app import client_tensors
+from client_app.site_model import SiteModel, load_site_model, predict, save_site_model
 from common import privacy
 from common import protocol as p
 from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
+from common.data import to_tensors
 from common.methods import METHODS, Rule
-from common.methods.apfl import APFL
+from common.methods.apfl import APFL, MIXINGS, OUTPUTS, PARAMETERS
 from common.methods.apfl.client import ALPHA, LOCAL_MODEL, MIXING_WEIGHT, alpha_gradient, mix
 from common.methods.client import SITE_PARTS, LocalData, Received, SiteState, client_routine, site_model_state
 from common.methods.server import EXTRACTOR, HEAD, Update, server_part
-from common.model import FedPACNet, split_state
+from common.model import FedPACNet, output_mixture, split_state
 from common.site_state import SiteStore
 from federation import InProcessGrid
 from reference_sgd import Params, batches, loss_and_gradient, params_of, sgd_step
@@ -215,6 +219,96 @@ def test_the_mixing_math():
     assert alpha_gradient(local, global_, {"a": torch.tensor([0.5, 2.0])}) == pytest.approx(6.0)
 
 
+# ---------------------------------------------------------------------------- APFL, outputs mixed
+
+
+def reference_apfl_outputs(net: FedPACNet, w: Params, v: Params, alpha: float, data: LocalData,
+                           cfg: FedPACConfig, seed: int) -> tuple[Params, Params]:
+    """The authors' mixed outputs, one minibatch at a time from the step's w and v:
+    w <- w - eta grad f(w); v <- v - eta grad_v CE(alpha v(x) + (1 - alpha) w(x)), w(x) held
+    fixed. Torch's momentum and weight decay on w and v, as the harness's SGD has them."""
+    buffers_w: Params = {}
+    buffers_v: Params = {}
+    for idx in batches(len(data.y), cfg.batch_size, cfg.local_epochs, torch.Generator().manual_seed(seed)):
+        x, y = data.x[idx], data.y[idx]
+        _, grad_w = loss_and_gradient(net, w, x, y)
+        leaves = {k: q.detach().clone().requires_grad_(True) for k, q in v.items()}
+        mixed = alpha * functional_call(net, leaves, (x,)) + (1 - alpha) * functional_call(net, w, (x,)).detach()
+        grad_v = dict(zip(leaves, torch.autograd.grad(F.cross_entropy(mixed, y), list(leaves.values()))))
+        w = sgd_step(w, grad_w, buffers_w, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+        v = sgd_step(v, grad_v, buffers_v, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+    return w, v
+
+
+def test_apfl_with_outputs_mixed_s_second_round_is_the_authors_update_of_both_models():
+    """Round 2, the kept v differs from the received w: the global model sent back and the local
+    model kept are the authors' update (mixed outputs), to 1e-6, and differ from the paper's
+    parameter-space update of the same round (the setting is read)."""
+    method = APFL("apfl", alpha=0.3, mixing=OUTPUTS)
+    received, local = _net(1), _net(2)
+    data = dataclasses.replace(_data(), state=SiteState(
+        {LOCAL_MODEL: {k: q.detach().numpy().copy() for k, q in local.state_dict().items()}}))
+    w, v = reference_apfl_outputs(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, data, CFG, seed=9)
+
+    model = copy.deepcopy(received)
+    result = client_routine(method).local_update(model, data, Received(server_round=2), CFG,
+                                                 torch.Generator().manual_seed(9))
+
+    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
+    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
+    assert data.state.get(MIXING_WEIGHT) is None and set(result.metrics) == {"personal-loss"}
+    _, v_parameters, _ = reference_apfl(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, False, data,
+                                        CFG, seed=9)
+    assert max(float((v[k] - v_parameters[k]).abs().max()) for k in v) > 1e-3
+
+
+def test_apfl_with_outputs_mixed_evaluates_one_network_computing_the_mixed_outputs(tmp_path):
+    """The evaluated model's logits are alpha v(x) + (1 - alpha) w(x); the site saves it as a
+    model of two branches, which loads back and predicts the same (``fedpac-predict``)."""
+    routine = client_routine(APFL("apfl", alpha=0.3, mixing=OUTPUTS))
+    received, local = _net(1), _net(2)
+    data = _data()
+    first = routine.before_evaluation(received, data, CFG, torch.Generator())
+    assert first is not received and first.branches == 1  # before the site trained: v = w, the mix is w
+    data.state.put(LOCAL_MODEL, {k: q.detach().numpy().copy() for k, q in local.state_dict().items()})
+    evaluated = routine.before_evaluation(received, data, CFG, torch.Generator()).eval()
+    assert evaluated.branches == 2 and received.branches == 1
+    with torch.no_grad():
+        expected = 0.3 * local.eval()(data.x_test) + 0.7 * received.eval()(data.x_test)
+        torch.testing.assert_close(evaluated(data.x_test), expected, rtol=1e-5, atol=1e-5)
+    info = SiteModel(method="apfl", run_id=3, round=2, partition_id=0, accuracy=0.5, num_classes=10, image_size=28,
+                     image_channels=1, mean=[0.0], std=[1.0], branches=evaluated.branches)
+    save_site_model(tmp_path, evaluated, info, run_complete=True)
+    loaded, loaded_info = load_site_model(tmp_path)
+    assert loaded_info.branches == 2
+    images = np.random.default_rng(0).integers(0, 256, (6, 28, 28, 1), dtype=np.uint8)
+    x, _ = to_tensors(images, np.zeros(6, dtype=np.int64), np.array(info.mean), np.array(info.std), torch.device("cpu"))
+    with torch.no_grad():
+        logits = evaluated(x)
+    labels, probabilities = predict(loaded, loaded_info, images)
+    np.testing.assert_array_equal(labels, logits.argmax(1).numpy())
+    np.testing.assert_allclose(probabilities, torch.softmax(logits, 1).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_output_mixture_is_the_weighted_sum_of_its_models_outputs():
+    models = [_net(seed).eval() for seed in (1, 2, 3)]
+    x = _data().x
+    mixture = output_mixture(models, [0.5, 0.3, 0.2]).eval()
+    assert mixture.branches == 3 and mixture.embedding_dim == 3 * models[0].embedding_dim
+    with torch.no_grad():
+        torch.testing.assert_close(mixture(x), sum(w * m(x) for m, w in zip(models, [0.5, 0.3, 0.2])),
+                                   rtol=1e-5, atol=1e-5)
+    # the models are copied: training the mixture leaves them as they were
+    before = copy.deepcopy(models[0].state_dict())
+    with torch.no_grad():
+        next(mixture.parameters()).add_(1.0)
+    assert all(torch.equal(before[k], q) for k, q in models[0].state_dict().items())
+    with pytest.raises(ValueError, match="2 models and 1 weights"):
+        output_mixture(models[:2], [1.0])
+    with pytest.raises(ValueError, match="one extractor"):
+        output_mixture([mixture], [1.0])
+
+
 # ---------------------------------------------------------------------------- settings, privacy
 
 
@@ -228,42 +322,62 @@ def test_apfl_s_settings_come_from_the_run_config_and_are_checked():
             parse_run_config({"strategy": "apfl", "apfl-alpha": bad})
     with pytest.raises(ConfigError, match="wrong type"):
         parse_run_config({"apfl-adapt-alpha": 1})
+    assert METHODS["apfl"].mixing == PARAMETERS  # the paper's v_bar
+    assert configured_method(parse_run_config({"strategy": "apfl", "apfl-mixing": "outputs"})).mixing == OUTPUTS
+    with pytest.raises(ConfigError, match="'apfl-adapt-alpha' = True and 'apfl-mixing' = 'outputs' do not go together"):
+        parse_run_config({"strategy": "apfl", "apfl-mixing": "outputs", "apfl-adapt-alpha": True})
 
 
-def test_apfl_with_differential_privacy_takes_dp_sgd_steps_and_counts_them():
-    """Every step is one DP-SGD release over w and the stand-in for v_bar together: the ledger
-    counts local-epochs * n / batch-size steps at rate batch-size / n; both models move."""
+@pytest.mark.parametrize("mixing", MIXINGS)
+def test_apfl_with_differential_privacy_takes_dp_sgd_steps_and_counts_them(mixing):
+    """Every step is one DP-SGD release over w and v's side (the stand-in for v_bar, or v itself
+    with outputs mixed) together: the ledger counts local-epochs * n / batch-size steps at rate
+    batch-size / n; both models move."""
     received, data = _net(1), _data()
     model = copy.deepcopy(received)
     settings = privacy.PrivacySettings(noise_multiplier=1.0, max_grad_norm=1.0)
     with privacy.private_site(settings, 1234) as site:
-        client_routine(APFL("apfl", adapt_alpha=True)).local_update(model, data, Received(), CFG,
-                                                                   torch.Generator().manual_seed(0))
+        client_routine(APFL("apfl", adapt_alpha=mixing == PARAMETERS, mixing=mixing)).local_update(
+            model, data, Received(), CFG, torch.Generator().manual_seed(0))
     assert site.ledger.history == [(1.0, CFG.batch_size / 32, CFG.local_epochs * 32 // CFG.batch_size)]
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), received.parameters()))
     local = data.state.get(LOCAL_MODEL)
     assert any(not np.array_equal(local[k], q.detach().numpy()) for k, q in received.state_dict().items())
-    assert np.isfinite(data.state.get(MIXING_WEIGHT)[ALPHA][0])
+    if mixing == PARAMETERS:
+        assert np.isfinite(data.state.get(MIXING_WEIGHT)[ALPHA][0])
 
 
 # ---------------------------------------------------------------------------- whole runs
 
 
 def test_short_federations_learn_and_keep_what_stays_at_the_sites(tmp_path):
-    """Three clients of the embedded MNIST-5k, three rounds each: APFL's personalized models and
-    LG-FedAvg's end far above guessing; APFL's sites keep their local models, LG-FedAvg's their
-    extractors, and neither ever travels."""
-    for name in ("apfl", "lg-fedavg"):
+    """Three clients of the embedded MNIST-5k, three rounds each: APFL's personalized models (its
+    parameters or its outputs mixed) and LG-FedAvg's end far above guessing; APFL's sites keep
+    their local models, LG-FedAvg's their extractors, and neither ever travels. The sites of
+    APFL with outputs mixed save their personalized model (``model-dir``), two branches, which
+    loads and scores on the site's test split what the site reported."""
+    for name, mixing in (("apfl", PARAMETERS), ("apfl", OUTPUTS), ("lg-fedavg", PARAMETERS)):
+        label = f"{name}-{mixing}"
         config = {"strategy": name, "samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 2,
-                  "batch-size": 20, "extractor-lr": 0.05, "num-server-rounds": 3, "output-dir": str(tmp_path / name)}
+                  "batch-size": 20, "extractor-lr": 0.05, "num-server-rounds": 3, "output-dir": str(tmp_path / label),
+                  **({"apfl-mixing": mixing} if name == "apfl" else {})}
         cfg = parse_run_config(config)
         grid = InProcessGrid(config, 3)
+        for context in grid.contexts.values():
+            context.node_config["model-dir"] = str(tmp_path / label / f"site-{context.node_config['partition-id']}")
         strategy, report = run_fedpac(cast(Grid, grid), cfg, 1)
         accuracy = np.mean(list(report.rounds[-1].accuracy.values()))
-        assert accuracy > 0.6, (name, accuracy)
+        assert accuracy > 0.6, (label, accuracy)
         train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
         travelled = {key.split(".")[0] for m in train for key in p.sections_of(m.content)[p.MODEL]}
         assert travelled == ({"head"} if name == "lg-fedavg" else {"extractor", "head"})
         for pid in range(3):
-            kept = SiteStore(Path(os.environ["FLWR_HOME"]) / "fedpac-site-state", pid, strategy.lineage).load(3)
+            model_dir = tmp_path / label / f"site-{pid}"
+            kept = SiteStore(model_dir / "site-state", pid, strategy.lineage).load(3)  # a node's state: by its models
             assert set(kept) == ({SITE_PARTS} if name == "lg-fedavg" else {LOCAL_MODEL})
+            saved, info = load_site_model(model_dir)
+            assert saved.branches == info.branches == (2 if mixing == OUTPUTS else 1)
+            _, _, x_test, y_test = client_tensors(cfg, pid, 3, torch.device("cpu"))
+            with torch.no_grad():
+                score = float((saved(x_test).argmax(1) == y_test).float().mean())
+            assert score == pytest.approx(report.rounds[-1].accuracy[pid], abs=1e-6), (label, pid)

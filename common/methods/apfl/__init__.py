@@ -14,10 +14,16 @@ Where this departs from the paper or from the code of others, and why:
 * alpha is fixed at 0.25 by default: the FedPAC paper's value (its Appendix: tuned over
   {0.25, 0.5, 0.75}, "set 0.25 for all settings"); the APFL authors' code (FedTorch's
   ``fed_adaptive_alpha``) and FL-bench make adapting it an option, as it is here.
-* The models are mixed in parameter space, as the paper defines v_bar. The authors' FedTorch code
-  and FL-bench mix the two models' outputs (alpha v(x) + (1 - alpha) w(x)), which for a network
-  with non-linear layers is another model; the paper's v_bar is one network of the harness's
-  architecture, which the site evaluates and keeps like any other method's personalized model.
+* The models are mixed in parameter space by default, as the paper defines v_bar
+  (``apfl-mixing = "parameters"``): v_bar is one network of the harness's architecture. The
+  authors' FedTorch code and FL-bench mix the two models' outputs instead, alpha v(x) +
+  (1 - alpha) w(x), which for a network with non-linear layers is another model:
+  ``apfl-mixing = "outputs"`` does that. There v steps on the loss of the mixed outputs with w's
+  outputs held fixed, v <- v - eta grad_v f(alpha v(x) + (1 - alpha) w(x)), w on its own loss as
+  before, and the site evaluates (and saves) the two networks side by side as one
+  (``common.model.output_mixture``). Adapting alpha is the paper's rule for its parameter-space
+  v_bar; the authors' code applies that same rule to the output mixture, where it is not the
+  mixture's gradient, so ``apfl-adapt-alpha`` is refused with outputs mixed.
 * Both updates of a step use the step's starting w and v (Algorithm 1's v_bar^(t-1)). FL-bench
   updates w first and then v against a v_bar made of the updated w.
 * The alpha step is the paper's gradient alone: FedTorch and FL-bench add a 0.02 alpha
@@ -34,19 +40,31 @@ from dataclasses import dataclass
 
 from common.methods.base import Method, setting
 
+PARAMETERS = "parameters"  # v_bar = alpha v + (1 - alpha) w, one network (the paper)
+OUTPUTS = "outputs"  # alpha v(x) + (1 - alpha) w(x) (the authors' FedTorch code, FL-bench)
+MIXINGS = (PARAMETERS, OUTPUTS)
+
 
 @dataclass(frozen=True)
 class APFL(Method):
     """APFL; ``alpha`` is the mixing weight alpha_i of the local model in v_bar_i (run config
     ``apfl-alpha``; the FedPAC paper's value is 0.25), every site's starting value when
-    ``adapt_alpha`` (``apfl-adapt-alpha``) lets each site adapt its own by gradient descent."""
+    ``adapt_alpha`` (``apfl-adapt-alpha``) lets each site adapt its own by gradient descent;
+    ``mixing`` (``apfl-mixing``) mixes the two models' parameters (the paper) or their outputs
+    (the authors' code)."""
 
     keeps_site_state = True  # the local models v_i (and the adapted alpha_i)
 
     alpha: float = setting(0.25, "apfl-alpha")
     adapt_alpha: bool = setting(False, "apfl-adapt-alpha")
+    mixing: str = setting(PARAMETERS, "apfl-mixing")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError("must be in [0, 1] (0: the global model alone, 1: the local model alone)")
+        if self.mixing not in MIXINGS:
+            raise ValueError(f"must be one of {', '.join(map(repr, MIXINGS))}")
+        if self.adapt_alpha and self.mixing == OUTPUTS:
+            raise ValueError("apfl-adapt-alpha follows the gradient of the parameter-space mixture (the paper's "
+                             "Section 3.2), not of mixed outputs: use apfl-mixing = 'parameters' to adapt alpha")

@@ -11,6 +11,11 @@ Its gradient, grad f(v_bar), gives v's (alpha times it, the chain rule through v
 function of w. With differential privacy on, DP-SGD clips and noises each record's gradient of
 that loss over w and the stand-in together (``common.training.sgd_epochs``): one release a step,
 from which v's and alpha's steps follow without reading a record again.
+
+With outputs mixed (``apfl-mixing = "outputs"``) the step's loss is f(w(x)) + f(alpha v(x) +
+(1 - alpha) w(x)) with w's outputs detached in the second term, so that w's gradient is again that
+of its own loss and v's that of the mixed outputs; DP-SGD clips each record's gradient over w and
+v together.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import FedPACConfig
-from common.methods.apfl import APFL
+from common.methods.apfl import APFL, OUTPUTS, PARAMETERS
 from common.methods.client import (ClientResult, ClientRoutine, LocalData, Received, SiteState, keep_model, kept_model,
                                    with_arrays)
-from common.model import FedPACNet
+from common.model import FedPACNet, output_mixture
 from common.training import autocast, sgd_epochs
 
 LOCAL_MODEL = "apfl-local-model"  # v_i
@@ -106,31 +111,48 @@ class APFLRound:
 
 def apfl_epochs(  # pylint: disable=too-many-arguments
     global_model: FedPACNet, local_model: FedPACNet, alpha: float, adapt_alpha: bool, x: torch.Tensor,
-    y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator,
+    y: torch.Tensor, cfg: FedPACConfig, generator: torch.Generator, mixing: str = PARAMETERS,
 ) -> APFLRound:
     """``local-epochs`` epochs of APFL's steps on w (``global_model``) and v (``local_model``),
     both trained in place, at the baselines' step size eta (``extractor-lr``), which alpha's
-    step takes too (the paper's one step size)."""
-    mixed = copy.deepcopy(global_model)
-    for model in (global_model, local_model, mixed):
-        model.train()
-    optimizer = APFLStep(global_model, local_model, mixed, alpha, adapt_alpha, cfg.extractor_lr, cfg)
+    step takes too (the paper's one step size). ``mixing``: the personalized model's outputs are
+    those of v_bar (``parameters``) or alpha v(x) + (1 - alpha) w(x) (``outputs``, where alpha
+    stays as it is)."""
+    optimizer: APFLStep | torch.optim.SGD
+    if mixing == OUTPUTS:
+        optimizer = torch.optim.SGD([*global_model.parameters(), *local_model.parameters()], lr=cfg.extractor_lr,
+                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        trained = nn.ModuleList([global_model, local_model])
+
+        def personal_logits(inputs: torch.Tensor, global_logits: torch.Tensor) -> torch.Tensor:
+            return alpha * local_model(inputs) + (1.0 - alpha) * global_logits.detach()
+    else:
+        mixed = copy.deepcopy(global_model)
+        optimizer = APFLStep(global_model, local_model, mixed, alpha, adapt_alpha, cfg.extractor_lr, cfg)
+        trained = nn.ModuleList([global_model, mixed])
+
+        def personal_logits(inputs: torch.Tensor, global_logits: torch.Tensor) -> torch.Tensor:
+            del global_logits
+            return mixed(inputs)
+    trained.train()
+    local_model.train()
     personal_total = torch.zeros((), device=x.device)
     seen = 0
 
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
         nonlocal personal_total, seen
         with autocast(x, cfg):
-            global_logits, mixed_logits = global_model(x[idx]), mixed(x[idx])
+            global_logits = global_model(x[idx])
+            mixed_logits = personal_logits(x[idx], global_logits)
         personal = F.cross_entropy(mixed_logits.float(), y[idx])
         personal_total += personal.detach() * len(idx)
         seen += len(idx)
         return F.cross_entropy(global_logits.float(), y[idx]) + personal
 
-    total = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device,
-                       nn.ModuleList([global_model, mixed]))
+    total = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device, trained)
     personal_loss = float(personal_total / seen) if seen else 0.0
-    return APFLRound(global_loss=total - personal_loss, personal_loss=personal_loss, alpha=optimizer.alpha)
+    final_alpha = optimizer.alpha if isinstance(optimizer, APFLStep) else alpha
+    return APFLRound(global_loss=total - personal_loss, personal_loss=personal_loss, alpha=final_alpha)
 
 
 class Routine(ClientRoutine):
@@ -153,7 +175,7 @@ class Routine(ClientRoutine):
                      generator: torch.Generator) -> ClientResult:
         local = self.local_model(model, data.state)
         trained = apfl_epochs(model, local, self.mixing_weight(data.state), self.method.adapt_alpha, data.x, data.y,
-                              cfg, generator)
+                              cfg, generator, self.method.mixing)
         keep_model(data.state, LOCAL_MODEL, local)
         if self.method.adapt_alpha:
             data.state.put(MIXING_WEIGHT, {ALPHA: np.array([trained.alpha])})
@@ -162,13 +184,17 @@ class Routine(ClientRoutine):
 
     def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
                           generator: torch.Generator) -> FedPACNet:
-        """APFL's personalized model v_bar: the kept local model mixed with the received global
-        model (the global model itself until the site first trained: v = w)."""
+        """APFL's personalized model: the kept local model mixed with the received global model,
+        in parameter space (v_bar) or as one network computing the mix of their outputs (the
+        global model itself until the site first trained: v = w)."""
         del cfg, generator
         kept = data.state.get(LOCAL_MODEL)
         if kept is None:
             return copy.deepcopy(model)
+        alpha = self.mixing_weight(data.state)
+        if self.method.mixing == OUTPUTS:
+            return output_mixture([with_arrays(model, kept), model], [alpha, 1.0 - alpha])
         device = next(model.parameters()).device
         local = {key: torch.as_tensor(value, device=device) for key, value in kept.items()}
         received = {key: value.detach() for key, value in model.state_dict().items()}
-        return with_arrays(model, mix(local, received, self.mixing_weight(data.state)))
+        return with_arrays(model, mix(local, received, alpha))
