@@ -27,9 +27,10 @@ Where this departs from the paper or from the code of others, and why:
 * Both updates of a step use the step's starting w and v (Algorithm 1's v_bar^(t-1)). FL-bench
   updates w first and then v against a v_bar made of the updated w.
 * v steps on the gradient the paper gives it, alpha grad f(v_bar), so that v_bar's own part,
-  alpha (v - w), moves by alpha^2 eta grad f(v_bar) a step: 1/16 of the step at alpha = 0.25. PFLlib instead trains its personal model on its own
-  loss at the full step and, after each round's epochs, replaces it with (1 - alpha) w + alpha v
-  in parameter space, the model it evaluates and trains from the next round: another algorithm.
+  alpha (v - w), moves by alpha^2 eta grad f(v_bar) a step: 1/16 of the step at alpha = 0.25.
+  PFLlib instead trains its personal model on its own loss at the full step and, after each
+  round's epochs, replaces it with (1 - alpha) w + alpha v in parameter space, the model it
+  evaluates and trains from the next round: another algorithm.
 * The alpha step is the paper's gradient alone: FedTorch and FL-bench add a 0.02 alpha
   regularizer (and FL-bench adapts alpha only in the first epoch), neither of which the paper has.
 * A site that has never trained starts v_i from the global model it receives (as Ditto's
