@@ -194,9 +194,11 @@ BAD_VALUES: dict[str, list[Bad]] = {
            Bad(True, "false with strategy 'pfedme'", {"strategy": "pfedme"}),
            Bad(True, "false with strategy 'fedfomo'", {"strategy": "fedfomo"})],
     "apfl-alpha": [Bad(-0.1, "must be in [0, 1]"), Bad(1.5, "must be in [0, 1]")],
-    "apfl-mixing": [Bad("logits", "must be one of 'parameters', 'outputs'"),
-                    Bad("outputs", "do not go together: apfl-adapt-alpha follows the gradient of the "
-                        "parameter-space mixture", {"strategy": "apfl", "apfl-adapt-alpha": True})],
+    "apfl-mixing": [Bad("logits", "must be one of 'parameters', 'outputs', 'rounds'"),
+                    Bad("outputs", "do not go together: apfl-adapt-alpha follows the gradient of the paper's "
+                        "v_bar", {"strategy": "apfl", "apfl-adapt-alpha": True}),
+                    Bad("rounds", "do not go together: apfl-adapt-alpha follows the gradient of the paper's "
+                        "v_bar", {"strategy": "apfl", "apfl-adapt-alpha": True})],
     "pfedme-lambda": [Bad(0.0, "must be > 0"), Bad(-1.0, "must be > 0")],
     "pfedme-k": [Bad(0, "must be >= 1")],
     "pfedme-personal-lr": [Bad(0.0, "must be > 0")],

@@ -7,8 +7,9 @@ does, and the server's head is the sample-weighted mean of the replies'.
 APFL: per minibatch, w steps on its own loss and the local model v on the loss of the mixed
 model v_bar = alpha v + (1 - alpha) w (alpha by its gradient when it adapts); compared, in a
 second round where the kept v differs from the received w, with a from-scratch implementation of
-the paper's Algorithm 1, and with the mixed outputs of its authors' code (``apfl-mixing =
-"outputs"``); what it keeps and sends; its settings; differential privacy; and short federations
+the paper's Algorithm 1, with the mixed outputs of its authors' code (``apfl-mixing =
+"outputs"``) and with PFLlib's once-a-round mixture (``apfl-mixing = "rounds"``); what it keeps
+and sends; its settings; differential privacy; and short federations
 that learn, one of whose sites save their output mixture as a model they can load.
 """
 
@@ -33,7 +34,7 @@ from common import protocol as p
 from common.config import ConfigError, FedPACConfig, configured_method, parse_run_config
 from common.data import to_tensors
 from common.methods import METHODS, Rule
-from common.methods.apfl import APFL, MIXINGS, OUTPUTS, PARAMETERS
+from common.methods.apfl import APFL, MIXINGS, OUTPUTS, PARAMETERS, ROUNDS
 from common.methods.apfl.client import ALPHA, LOCAL_MODEL, MIXING_WEIGHT, alpha_gradient, mix
 from common.methods.client import SITE_PARTS, LocalData, Received, SiteState, client_routine, site_model_state
 from common.methods.server import EXTRACTOR, HEAD, Update, server_part
@@ -309,6 +310,46 @@ def test_an_output_mixture_is_the_weighted_sum_of_its_models_outputs():
         output_mixture([mixture], [1.0])
 
 
+# ---------------------------------------------------------------------------- APFL, mixed once a round
+
+
+def reference_apfl_rounds(net: FedPACNet, w: Params, v: Params, alpha: float, data: LocalData,
+                          cfg: FedPACConfig, seed: int) -> tuple[Params, Params]:
+    """PFLlib's APFL with alpha fixed: on every minibatch w and v each step on their own loss;
+    after the epochs v <- (1 - alpha) w + alpha v. Torch's momentum and weight decay on w and v."""
+    buffers_w: Params = {}
+    buffers_v: Params = {}
+    for idx in batches(len(data.y), cfg.batch_size, cfg.local_epochs, torch.Generator().manual_seed(seed)):
+        x, y = data.x[idx], data.y[idx]
+        _, grad_w = loss_and_gradient(net, w, x, y)
+        _, grad_v = loss_and_gradient(net, v, x, y)
+        w = sgd_step(w, grad_w, buffers_w, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+        v = sgd_step(v, grad_v, buffers_v, cfg.extractor_lr, cfg.momentum, cfg.weight_decay)
+    return w, {k: (1 - alpha) * w[k] + alpha * v[k] for k in v}
+
+
+def test_apfl_mixed_once_a_round_trains_both_models_on_their_own_loss_then_mixes_and_evaluates_v():
+    """Round 2, the kept v differs from the received w: w sent back and v kept are PFLlib's
+    update, to 1e-6 (v mixed with the w the epochs left, not the received one); the site then
+    evaluates the kept v itself."""
+    method = APFL("apfl", alpha=0.3, mixing=ROUNDS)
+    received, local = _net(1), _net(2)
+    data = dataclasses.replace(_data(), state=SiteState(
+        {LOCAL_MODEL: {k: q.detach().numpy().copy() for k, q in local.state_dict().items()}}))
+    w, v = reference_apfl_rounds(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, data, CFG, seed=4)
+
+    model = copy.deepcopy(received)
+    routine = client_routine(method)
+    result = routine.local_update(model, data, Received(server_round=2), CFG, torch.Generator().manual_seed(4))
+
+    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
+    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
+    assert data.state.get(MIXING_WEIGHT) is None and set(result.metrics) == {"personal-loss"}
+    evaluated = routine.before_evaluation(received, data, CFG, torch.Generator())
+    _assert_close({k: q.detach().numpy() for k, q in evaluated.state_dict().items()}, _arrays(v))
+    assert evaluated is not received and evaluated.branches == 1
+
+
 # ---------------------------------------------------------------------------- settings, privacy
 
 
@@ -352,11 +393,12 @@ def test_apfl_with_differential_privacy_takes_dp_sgd_steps_and_counts_them(mixin
 
 def test_short_federations_learn_and_keep_what_stays_at_the_sites(tmp_path):
     """Three clients of the embedded MNIST-5k, three rounds each: APFL's personalized models (its
-    parameters or its outputs mixed) and LG-FedAvg's end far above guessing; APFL's sites keep
+    parameters mixed every step or once a round, or its outputs mixed) and LG-FedAvg's end far
+    above guessing; APFL's sites keep
     their local models, LG-FedAvg's their extractors, and neither ever travels. The sites of
     APFL with outputs mixed save their personalized model (``model-dir``), two branches, which
     loads and scores on the site's test split what the site reported."""
-    for name, mixing in (("apfl", PARAMETERS), ("apfl", OUTPUTS), ("lg-fedavg", PARAMETERS)):
+    for name, mixing in (("apfl", PARAMETERS), ("apfl", OUTPUTS), ("apfl", ROUNDS), ("lg-fedavg", PARAMETERS)):
         label = f"{name}-{mixing}"
         config = {"strategy": name, "samples-per-client": 100, "test-samples-per-client": 50, "local-epochs": 2,
                   "batch-size": 20, "extractor-lr": 0.05, "num-server-rounds": 3, "output-dir": str(tmp_path / label),

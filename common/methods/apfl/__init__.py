@@ -28,9 +28,12 @@ Where this departs from the paper or from the code of others, and why:
   updates w first and then v against a v_bar made of the updated w.
 * v steps on the gradient the paper gives it, alpha grad f(v_bar), so that v_bar's own part,
   alpha (v - w), moves by alpha^2 eta grad f(v_bar) a step: 1/16 of the step at alpha = 0.25.
-  PFLlib instead trains its personal model on its own loss at the full step and, after each
-  round's epochs, replaces it with (1 - alpha) w + alpha v in parameter space, the model it
-  evaluates and trains from the next round: another algorithm.
+  PFLlib's APFL is another algorithm: its personal model trains on its own loss at the full
+  step, beside w, and after each round's epochs it is replaced by (1 - alpha) w + alpha v in
+  parameter space (w as the site's epochs left it), the model it evaluates and trains from the
+  next round. ``apfl-mixing = "rounds"`` does that, with alpha fixed (PFLlib adapts it by a
+  rule of its own, the gradient of neither mixture, so ``apfl-adapt-alpha`` is refused there
+  too).
 * The alpha step is the paper's gradient alone: FedTorch and FL-bench add a 0.02 alpha
   regularizer (and FL-bench adapts alpha only in the first epoch), neither of which the paper has.
 * A site that has never trained starts v_i from the global model it receives (as Ditto's
@@ -47,7 +50,8 @@ from common.methods.base import Method, setting
 
 PARAMETERS = "parameters"  # v_bar = alpha v + (1 - alpha) w, one network (the paper)
 OUTPUTS = "outputs"  # alpha v(x) + (1 - alpha) w(x) (the authors' FedTorch code, FL-bench)
-MIXINGS = (PARAMETERS, OUTPUTS)
+ROUNDS = "rounds"  # v trains on its own loss, then v := (1 - alpha) w + alpha v after each round (PFLlib)
+MIXINGS = (PARAMETERS, OUTPUTS, ROUNDS)
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class APFL(Method):
     """APFL; ``alpha`` is the mixing weight alpha_i of the local model in v_bar_i (run config
     ``apfl-alpha``; the FedPAC paper's value is 0.25), every site's starting value when
     ``adapt_alpha`` (``apfl-adapt-alpha``) lets each site adapt its own by gradient descent;
-    ``mixing`` (``apfl-mixing``) mixes the two models' parameters (the paper) or their outputs
-    (the authors' code)."""
+    ``mixing`` (``apfl-mixing``) mixes the two models' parameters at every step (the paper),
+    their outputs (the authors' code) or their parameters once a round (PFLlib)."""
 
     keeps_site_state = True  # the local models v_i (and the adapted alpha_i)
 
@@ -70,6 +74,7 @@ class APFL(Method):
             raise ValueError("must be in [0, 1] (0: the global model alone, 1: the local model alone)")
         if self.mixing not in MIXINGS:
             raise ValueError(f"must be one of {', '.join(map(repr, MIXINGS))}")
-        if self.adapt_alpha and self.mixing == OUTPUTS:
-            raise ValueError("apfl-adapt-alpha follows the gradient of the parameter-space mixture (the paper's "
-                             "Section 3.2), not of mixed outputs: use apfl-mixing = 'parameters' to adapt alpha")
+        if self.adapt_alpha and self.mixing != PARAMETERS:
+            raise ValueError("apfl-adapt-alpha follows the gradient of the paper's v_bar (its Section 3.2), which "
+                             f"apfl-mixing = {self.mixing!r} does not train: use apfl-mixing = 'parameters' to adapt "
+                             "alpha")

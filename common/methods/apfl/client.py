@@ -15,7 +15,9 @@ from which v's and alpha's steps follow without reading a record again.
 With outputs mixed (``apfl-mixing = "outputs"``) the step's loss is f(w(x)) + f(alpha v(x) +
 (1 - alpha) w(x)) with w's outputs detached in the second term, so that w's gradient is again that
 of its own loss and v's that of the mixed outputs; DP-SGD clips each record's gradient over w and
-v together.
+v together. With ``apfl-mixing = "rounds"`` (PFLlib's APFL) it is f(w(x)) + f(v(x)), each model on
+its own loss, and after the epochs v := (1 - alpha) w + alpha v; the site keeps and evaluates
+that v.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import FedPACConfig
-from common.methods.apfl import APFL, OUTPUTS, PARAMETERS
+from common.methods.apfl import APFL, OUTPUTS, PARAMETERS, ROUNDS
 from common.methods.client import (ClientResult, ClientRoutine, LocalData, Received, SiteState, keep_model, kept_model,
                                    with_arrays)
 from common.model import FedPACNet, output_mixture
@@ -116,15 +118,17 @@ def apfl_epochs(  # pylint: disable=too-many-arguments
     """``local-epochs`` epochs of APFL's steps on w (``global_model``) and v (``local_model``),
     both trained in place, at the baselines' step size eta (``extractor-lr``), which alpha's
     step takes too (the paper's one step size). ``mixing``: the personalized model's outputs are
-    those of v_bar (``parameters``) or alpha v(x) + (1 - alpha) w(x) (``outputs``, where alpha
-    stays as it is)."""
+    those of v_bar (``parameters``), alpha v(x) + (1 - alpha) w(x) (``outputs``) or v's own
+    (``rounds``, after which v := (1 - alpha) w + alpha v); alpha adapts only with ``parameters``."""
     optimizer: APFLStep | torch.optim.SGD
-    if mixing == OUTPUTS:
+    if mixing in (OUTPUTS, ROUNDS):
         optimizer = torch.optim.SGD([*global_model.parameters(), *local_model.parameters()], lr=cfg.extractor_lr,
                                     momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         trained = nn.ModuleList([global_model, local_model])
 
         def personal_logits(inputs: torch.Tensor, global_logits: torch.Tensor) -> torch.Tensor:
+            if mixing == ROUNDS:
+                return local_model(inputs)
             return alpha * local_model(inputs) + (1.0 - alpha) * global_logits.detach()
     else:
         mixed = copy.deepcopy(global_model)
@@ -150,6 +154,10 @@ def apfl_epochs(  # pylint: disable=too-many-arguments
         return F.cross_entropy(global_logits.float(), y[idx]) + personal
 
     total = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device, trained)
+    if mixing == ROUNDS:
+        with torch.no_grad():
+            for key, value in mix(local_model.state_dict(), global_model.state_dict(), alpha).items():
+                local_model.state_dict()[key].copy_(value)
     personal_loss = float(personal_total / seen) if seen else 0.0
     final_alpha = optimizer.alpha if isinstance(optimizer, APFLStep) else alpha
     return APFLRound(global_loss=total - personal_loss, personal_loss=personal_loss, alpha=final_alpha)
@@ -185,12 +193,15 @@ class Routine(ClientRoutine):
     def before_evaluation(self, model: FedPACNet, data: LocalData, cfg: FedPACConfig,
                           generator: torch.Generator) -> FedPACNet:
         """APFL's personalized model: the kept local model mixed with the received global model,
-        in parameter space (v_bar) or as one network computing the mix of their outputs (the
-        global model itself until the site first trained: v = w)."""
+        in parameter space (v_bar) or as one network computing the mix of their outputs, or the
+        kept local model itself when it was mixed at the end of its round (the global model
+        itself until the site first trained: v = w)."""
         del cfg, generator
         kept = data.state.get(LOCAL_MODEL)
         if kept is None:
             return copy.deepcopy(model)
+        if self.method.mixing == ROUNDS:
+            return with_arrays(model, kept)
         alpha = self.mixing_weight(data.state)
         if self.method.mixing == OUTPUTS:
             return output_mixture([with_arrays(model, kept), model], [alpha, 1.0 - alpha])
