@@ -151,6 +151,23 @@ def reference_apfl(net: FedPACNet, w: Params, v: Params, alpha: float, adapt: bo
     return w, v, alpha
 
 
+def _site_keeping(local: FedPACNet, **more: dict[str, np.ndarray]) -> LocalData:
+    """The site's data, its state holding ``local`` as APFL's kept local model v (and ``more``)."""
+    kept = {LOCAL_MODEL: {k: q.detach().numpy().copy() for k, q in local.state_dict().items()}, **more}
+    return dataclasses.replace(_data(), state=SiteState(kept))
+
+
+def _second_round(method: APFL, received: FedPACNet, data: LocalData, w: Params, v: Params, seed: int) -> None:
+    """The site's round 2 on a copy of ``received``: the model it sends back is ``w`` and the
+    local model it keeps ``v``, to 1e-6; it reports the personalized model's loss."""
+    model = copy.deepcopy(received)
+    result = client_routine(method).local_update(model, data, Received(server_round=2), CFG,
+                                                 torch.Generator().manual_seed(seed))
+    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
+    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
+    assert set(result.metrics) == {"personal-loss"} and not result.statistics
+
+
 @pytest.mark.parametrize("adapt", [False, True])
 def test_apfl_s_second_round_is_the_paper_s_update_of_both_models(adapt):
     """Round 2: the site kept v (and alpha = 0.4 when it adapts) from round 1, the server sent a
@@ -158,25 +175,17 @@ def test_apfl_s_second_round_is_the_paper_s_update_of_both_models(adapt):
     Algorithm 1's, to 1e-6."""
     method = APFL("apfl", alpha=0.3, adapt_alpha=adapt)
     received, local = _net(1), _net(2)
-    kept = {LOCAL_MODEL: {k: v.detach().numpy().copy() for k, v in local.state_dict().items()}}
-    if adapt:
-        kept[MIXING_WEIGHT] = {ALPHA: np.array([0.4])}
-    data = dataclasses.replace(_data(), state=SiteState(kept))
+    data = _site_keeping(local, **({MIXING_WEIGHT: {ALPHA: np.array([0.4])}} if adapt else {}))
     w, v, alpha = reference_apfl(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.4 if adapt else 0.3,
                                  adapt, data, CFG, seed=9)
 
-    model = copy.deepcopy(received)
-    result = client_routine(method).local_update(model, data, Received(server_round=2), CFG,
-                                                 torch.Generator().manual_seed(9))
+    _second_round(method, received, data, w, v, seed=9)
 
-    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
-    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
     if adapt:
         assert data.state.get(MIXING_WEIGHT)[ALPHA][0] == pytest.approx(alpha, abs=1e-6)
         assert abs(alpha - 0.4) > 1e-4  # it moved
     else:
         assert data.state.get(MIXING_WEIGHT) is None
-    assert set(result.metrics) == {"personal-loss"} and not result.statistics
 
 
 def test_apfl_s_first_round_starts_the_local_model_from_the_received_global_one():
@@ -247,17 +256,12 @@ def test_apfl_with_outputs_mixed_s_second_round_is_the_authors_update_of_both_mo
     parameter-space update of the same round (the setting is read)."""
     method = APFL("apfl", alpha=0.3, mixing=OUTPUTS)
     received, local = _net(1), _net(2)
-    data = dataclasses.replace(_data(), state=SiteState(
-        {LOCAL_MODEL: {k: q.detach().numpy().copy() for k, q in local.state_dict().items()}}))
+    data = _site_keeping(local)
     w, v = reference_apfl_outputs(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, data, CFG, seed=9)
 
-    model = copy.deepcopy(received)
-    result = client_routine(method).local_update(model, data, Received(server_round=2), CFG,
-                                                 torch.Generator().manual_seed(9))
+    _second_round(method, received, data, w, v, seed=9)
 
-    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
-    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
-    assert data.state.get(MIXING_WEIGHT) is None and set(result.metrics) == {"personal-loss"}
+    assert data.state.get(MIXING_WEIGHT) is None
     _, v_parameters, _ = reference_apfl(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, False, data,
                                         CFG, seed=9)
     assert max(float((v[k] - v_parameters[k]).abs().max()) for k in v) > 1e-3
@@ -334,18 +338,13 @@ def test_apfl_mixed_once_a_round_trains_both_models_on_their_own_loss_then_mixes
     evaluates the kept v itself."""
     method = APFL("apfl", alpha=0.3, mixing=ROUNDS)
     received, local = _net(1), _net(2)
-    data = dataclasses.replace(_data(), state=SiteState(
-        {LOCAL_MODEL: {k: q.detach().numpy().copy() for k, q in local.state_dict().items()}}))
+    data = _site_keeping(local)
     w, v = reference_apfl_rounds(FedPACNet(1, 28, 10), params_of(received), params_of(local), 0.3, data, CFG, seed=4)
 
-    model = copy.deepcopy(received)
-    routine = client_routine(method)
-    result = routine.local_update(model, data, Received(server_round=2), CFG, torch.Generator().manual_seed(4))
+    _second_round(method, received, data, w, v, seed=4)
 
-    _assert_close({k: q.detach().numpy() for k, q in model.state_dict().items()}, _arrays(w))
-    _assert_close(data.state.get(LOCAL_MODEL), _arrays(v))
-    assert data.state.get(MIXING_WEIGHT) is None and set(result.metrics) == {"personal-loss"}
-    evaluated = routine.before_evaluation(received, data, CFG, torch.Generator())
+    assert data.state.get(MIXING_WEIGHT) is None
+    evaluated = client_routine(method).before_evaluation(received, data, CFG, torch.Generator())
     _assert_close({k: q.detach().numpy() for k, q in evaluated.state_dict().items()}, _arrays(v))
     assert evaluated is not received and evaluated.branches == 1
 

@@ -155,9 +155,7 @@ def apfl_epochs(  # pylint: disable=too-many-arguments
 
     total = sgd_epochs(optimizer, batch_loss, cfg.local_epochs, len(x), cfg.batch_size, generator, x.device, trained)
     if mixing == ROUNDS:
-        with torch.no_grad():
-            for key, value in mix(local_model.state_dict(), global_model.state_dict(), alpha).items():
-                local_model.state_dict()[key].copy_(value)
+        local_model.load_state_dict(mix(local_model.state_dict(), global_model.state_dict(), alpha))
     personal_loss = float(personal_total / seen) if seen else 0.0
     final_alpha = optimizer.alpha if isinstance(optimizer, APFLStep) else alpha
     return APFLRound(global_loss=total - personal_loss, personal_loss=personal_loss, alpha=final_alpha)
